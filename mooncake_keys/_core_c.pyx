@@ -1,0 +1,163 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Compiled core: key building and rank reduction (the twin of ``_core_py.py``).
+
+Keys are written straight into freshly allocated ``str`` objects: head characters, then the
+lowercase hex of the hash read from the blob, with no intermediate ``.hex()`` objects.
+"""
+
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
+from cpython.list cimport PyList_GET_ITEM, PyList_SET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_CheckExact
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from libc.string cimport memcpy
+
+
+cdef extern from "Python.h":
+    ctypedef unsigned int Py_UCS4
+    object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
+    void* PyUnicode_DATA(object o)
+    int PyUnicode_KIND(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    Py_UCS4 PyUnicode_MAX_CHAR_VALUE(object o)
+    int PyUnicode_IS_ASCII(object o)
+    void PyUnicode_WRITE(int kind, void* data, Py_ssize_t index, Py_UCS4 value)
+    Py_ssize_t PyUnicode_CopyCharacters(object to, Py_ssize_t to_start, object from_,
+                                        Py_ssize_t from_start, Py_ssize_t how_many) except -1
+    long PyLong_AsLongAndOverflow(object o, int* overflow) except? -1
+
+
+cdef const char* HEXDIGITS = b"0123456789abcdef"
+
+__all__ = ["fill_keys", "reduce_presence"]
+
+
+cdef inline object _make_key(object head, const unsigned char* h, Py_ssize_t hash_len):
+    cdef Py_ssize_t hl = PyUnicode_GET_LENGTH(head)
+    cdef Py_ssize_t k
+    cdef unsigned char* dst
+    cdef void* data
+    cdef int kind
+    cdef object s
+    if PyUnicode_IS_ASCII(head):
+        s = PyUnicode_New(hl + 2 * hash_len, 127)
+        dst = <unsigned char*>PyUnicode_DATA(s)
+        memcpy(dst, PyUnicode_DATA(head), hl)
+        dst += hl
+        for k in range(hash_len):
+            dst[2 * k] = HEXDIGITS[h[k] >> 4]
+            dst[2 * k + 1] = HEXDIGITS[h[k] & 15]
+        return s
+    # Non-ASCII model name or cache prefix: same characters, wider storage.
+    s = PyUnicode_New(hl + 2 * hash_len, PyUnicode_MAX_CHAR_VALUE(head))
+    PyUnicode_CopyCharacters(s, 0, head, 0, hl)
+    kind = PyUnicode_KIND(s)
+    data = PyUnicode_DATA(s)
+    for k in range(hash_len):
+        PyUnicode_WRITE(kind, data, hl + 2 * k, HEXDIGITS[h[k] >> 4])
+        PyUnicode_WRITE(kind, data, hl + 2 * k + 1, HEXDIGITS[h[k] & 15])
+    return s
+
+
+cdef inline void _put(list out, Py_ssize_t i, object s):
+    cdef PyObject* prev = PyList_GET_ITEM(out, i)
+    Py_INCREF(s)
+    PyList_SET_ITEM(out, i, s)
+    Py_DECREF(<object>prev)
+
+
+def fill_keys(list out, Py_ssize_t pos, tuple heads, const unsigned char[::1] blob,
+              Py_ssize_t hash_len, const long long[::1] index, dict young=None, dict old=None):
+    """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(new_pos, added)``.
+
+    See ``_core_py.fill_keys`` for the contract; this one is the same, compiled.
+    """
+    cdef Py_ssize_t r = len(heads)
+    cdef Py_ssize_t n = index.shape[0]
+    cdef Py_ssize_t nblob = blob.shape[0]
+    cdef Py_ssize_t c, j, hi, added = 0
+    cdef const unsigned char* base
+    cdef const unsigned char* h
+    cdef PyObject* hit
+    cdef object entry, hb, key
+    if n == 0 or r == 0:
+        return pos, 0
+    if pos < 0 or pos + n * r > PyList_GET_SIZE(out):
+        raise ValueError("out is too short for the keys to write")
+    if hash_len <= 0:
+        raise ValueError("hash_len must be > 0")
+    for c in range(n):
+        hi = index[c]
+        if hi < 0 or (hi + 1) * hash_len > nblob:
+            raise IndexError(f"hash index {hi} is outside the blob")
+    base = &blob[0]
+    if young is None:
+        for c in range(n):
+            h = base + index[c] * hash_len
+            for j in range(r):
+                _put(out, pos, _make_key(heads[j], h, hash_len))
+                pos += 1
+        return pos, 0
+    for c in range(n):
+        h = base + index[c] * hash_len
+        hb = PyBytes_FromStringAndSize(<const char*>h, hash_len)
+        hit = PyDict_GetItem(young, hb)
+        if hit == NULL and old is not None:
+            hit = PyDict_GetItem(old, hb)
+            if hit != NULL:
+                PyDict_SetItem(young, hb, <object>hit)
+                added += 1
+        if hit != NULL:
+            entry = <object>hit
+            for j in range(r):
+                _put(out, pos, (<tuple>entry)[j])
+                pos += 1
+            continue
+        entry = PyTuple_New(r)
+        for j in range(r):
+            key = _make_key(heads[j], h, hash_len)
+            Py_INCREF(key)
+            PyTuple_SET_ITEM(entry, j, key)
+            _put(out, pos, key)
+            pos += 1
+        PyDict_SetItem(young, hb, entry)
+        added += 1
+    return pos, added
+
+
+cdef inline bint _is_one(object v) except -1:
+    cdef int overflow = 0
+    if PyLong_CheckExact(v):
+        return PyLong_AsLongAndOverflow(v, &overflow) == 1 and overflow == 0
+    return bool(v == 1)
+
+
+def reduce_presence(results, Py_ssize_t r):
+    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all exactly 1, else 0."""
+    cdef Py_ssize_t total = len(results)
+    cdef Py_ssize_t n = total // r
+    cdef Py_ssize_t i, j, k
+    cdef bytearray flags = bytearray(n)
+    cdef unsigned char[::1] f = flags
+    cdef list lst
+    cdef unsigned char ok
+    if type(results) is list:
+        lst = <list>results
+        k = 0
+        for i in range(n):
+            ok = 1
+            for j in range(r):
+                if ok and not _is_one(<object>PyList_GET_ITEM(lst, k)):
+                    ok = 0
+                k += 1
+            f[i] = ok
+        return flags
+    for i in range(n):
+        ok = 1
+        for j in range(r):
+            if not _is_one(results[i * r + j]):
+                ok = 0
+                break
+        f[i] = ok
+    return flags

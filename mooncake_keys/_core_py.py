@@ -1,0 +1,79 @@
+"""Pure-Python core: key building and rank reduction (the twin of ``_core_c.pyx``).
+
+Both modules expose the same two functions with the same signatures; ``_core`` picks one.
+Neither knows the key grammar: they receive each namespace's *key head* (everything before
+the hex, see ``_keys.key_head``) and append the lowercase hex of a hash to it.
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import repeat
+from typing import Any, Optional, Sequence
+
+__all__ = ["fill_keys", "reduce_presence"]
+
+
+def fill_keys(
+    out: list,
+    pos: int,
+    heads: Sequence[str],
+    blob: Any,
+    hash_len: int,
+    index: Sequence[int],
+    young: Optional[dict] = None,
+    old: Optional[dict] = None,
+) -> tuple:
+    """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(new_pos, added)``.
+
+    ``blob`` holds equal-length hashes back to back (``hash_len`` bytes each); ``index`` names
+    the hashes (by position in the blob) to build keys for, in order. Keys are ordered hash
+    first, then head. With ``young`` (a dict: hash bytes -> tuple of keys), cached key tuples
+    are reused; a hit in ``old`` is promoted into ``young``. ``added`` counts the tuples put
+    into ``young`` (built or promoted).
+    """
+    heads = tuple(heads)
+    r = len(heads)
+    n = len(index)
+    if n == 0 or r == 0:
+        return pos, 0
+    hexed = bytes(blob).hex()
+    w = 2 * hash_len
+    end = pos + n * r
+    if young is None:
+        if r == 1:
+            h0 = heads[0]
+            out[pos:end] = [h0 + hexed[i * w:i * w + w] for i in index]
+        else:
+            out[pos:end] = [h + hx for hx in [hexed[i * w:i * w + w] for i in index] for h in heads]
+        return end, 0
+    mv = memoryview(blob)
+    added = 0
+    keys: list = []
+    extend = keys.extend
+    get_young = young.get
+    for i in index:
+        hb = bytes(mv[i * hash_len:(i + 1) * hash_len])
+        entry = get_young(hb)
+        if entry is None:
+            entry = old.get(hb) if old is not None else None
+            if entry is None:
+                hx = hexed[i * w:i * w + w]
+                entry = tuple([h + hx for h in heads])
+            young[hb] = entry
+            added += 1
+        extend(entry)
+    out[pos:end] = keys
+    return end, added
+
+
+def reduce_presence(results: Sequence[Any], r: int) -> bytearray:
+    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all exactly 1, else 0."""
+    n = len(results) // r
+    flags = bytearray(map(operator.eq, results, repeat(1)))
+    if r == 1:
+        return flags
+    acc = int.from_bytes(flags[0::r], "little")
+    for j in range(1, r):
+        acc &= int.from_bytes(flags[j::r], "little")
+    return bytearray(acc.to_bytes(n, "little"))

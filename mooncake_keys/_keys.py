@@ -1,0 +1,98 @@
+"""The pool key grammar, and the only place that knows it.
+
+A pool key names one chunk of one KV-cache group in one rank namespace::
+
+    [<cache_prefix>@]<model>@tp_rank:<T>@pcp<P>@dcp<D>@pp_rank:<S>@group:<G>@<hex>
+
+byte for byte as vLLM's ``MooncakeStoreConnector`` writes it. ``cache_prefix`` is left out
+exactly when it is the empty string; ``pcp`` and ``dcp`` carry no colon; ``<hex>`` is the
+lowercase hex of the chunk hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["KeyMetadata", "PoolKey", "model_name_from_path"]
+
+_SEP = "@"
+
+
+def _check_rank(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, order=True)
+class KeyMetadata:
+    """The rank namespace and group a key belongs to (vLLM's ``KeyMetadata``, same fields)."""
+
+    model_name: str
+    tp_rank: int
+    pcp_rank: int
+    dcp_rank: int
+    pp_rank: int
+    group_id: int = 0
+    cache_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        _check_str("model_name", self.model_name)
+        _check_str("cache_prefix", self.cache_prefix)
+        for name in ("tp_rank", "pcp_rank", "dcp_rank", "pp_rank", "group_id"):
+            _check_rank(name, getattr(self, name))
+
+
+@dataclass(frozen=True, order=True)
+class PoolKey:
+    """One pool key: a :class:`KeyMetadata` and the hex string of a chunk hash."""
+
+    key_metadata: KeyMetadata
+    chunk_hash: str
+
+    def to_string(self) -> str:
+        return PoolKey.build_key_string(PoolKey.build_prefix(self.key_metadata), self.chunk_hash)
+
+    @staticmethod
+    def build_prefix(
+        md: KeyMetadata,
+        *,
+        tp_rank: Optional[int] = None,
+        pcp_rank: Optional[int] = None,
+        dcp_rank: Optional[int] = None,
+        pp_rank: Optional[int] = None,
+    ) -> str:
+        """The key up to and including ``@group:<G>``; each override that is None falls back to ``md``."""
+        tp = md.tp_rank if tp_rank is None else _check_rank("tp_rank", tp_rank)
+        pcp = md.pcp_rank if pcp_rank is None else _check_rank("pcp_rank", pcp_rank)
+        dcp = md.dcp_rank if dcp_rank is None else _check_rank("dcp_rank", dcp_rank)
+        pp = md.pp_rank if pp_rank is None else _check_rank("pp_rank", pp_rank)
+        head = md.cache_prefix + _SEP if md.cache_prefix else ""
+        return (
+            f"{head}{md.model_name}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}"
+            f"@pp_rank:{pp}@group:{md.group_id}"
+        )
+
+    @staticmethod
+    def build_key_string(prefix: str, chunk_hash: str) -> str:
+        """``prefix`` + ``@`` + ``chunk_hash`` (the hex string of the chunk hash)."""
+        return prefix + _SEP + chunk_hash
+
+
+def key_head(prefix: str) -> str:
+    """What stands before the hex in every key of ``prefix``: the compiled core appends hex to it."""
+    return PoolKey.build_key_string(prefix, "")
+
+
+def model_name_from_path(model: str) -> str:
+    """vLLM's key model name: the last ``/`` part of the model path or hub id."""
+    return _check_str("model", model).rstrip("/").split("/")[-1]

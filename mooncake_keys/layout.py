@@ -1,0 +1,85 @@
+"""Rank layouts: which key namespaces a lookup must find a chunk in, and where a rank writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+__all__ = ["ParallelLayout", "Namespace"]
+
+#: (tp_rank, pcp_rank, dcp_rank, pp_rank) as it appears in a key.
+Namespace = Tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor / pipeline / prefill- and decode-context parallel sizes of one deployment.
+
+    ``num_kv_heads`` is the model-wide KV head count; with ``use_mla`` it counts as 1.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    num_kv_heads: int = 1
+    use_mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "pcp_size", "dcp_size", "num_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not isinstance(self.use_mla, bool):
+            raise TypeError("use_mla must be a bool")
+        if self.tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size ({self.dcp_size}) must divide tp_size ({self.tp_size})")
+
+    @property
+    def heads(self) -> int:
+        """KV heads that differ across TP ranks: 1 under MLA."""
+        return 1 if self.use_mla else self.num_kv_heads
+
+    @property
+    def put_step(self) -> int:
+        """TP ranks sharing one namespace (replicated heads); 1 under DCP > 1 (vLLM #45371)."""
+        if self.heads < self.tp_size and self.dcp_size <= 1:
+            return self.tp_size // self.heads
+        return 1
+
+    def lookup_namespaces(self) -> Tuple[Namespace, ...]:
+        """Every namespace some rank loads from, PCP outer, then TP, then PP inner (vLLM #46855).
+
+        Under DCP > 1 every TP rank is its own namespace with ``dcp = tp % dcp_size``;
+        otherwise TP ranks past ``min(tp_size, heads)`` share the namespaces below.
+        """
+        pcps, pps = range(self.pcp_size), range(self.pp_size)
+        if self.dcp_size > 1:
+            return tuple((tp, pcp, tp % self.dcp_size, pp) for pcp in pcps for tp in range(self.tp_size) for pp in pps)
+        tps = range(min(self.tp_size, self.heads))
+        return tuple((tp, pcp, 0, pp) for pcp in pcps for tp in tps for pp in pps)
+
+    def writer_namespace(self, tp_rank: int, pcp_rank: int = 0, dcp_rank: int = 0, pp_rank: int = 0) -> Namespace:
+        """The namespace the rank at these coordinates saves to and loads from."""
+        for name, value, size in (
+            ("tp_rank", tp_rank, self.tp_size),
+            ("pcp_rank", pcp_rank, self.pcp_size),
+            ("dcp_rank", dcp_rank, self.dcp_size),
+            ("pp_rank", pp_rank, self.pp_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if not 0 <= value < size:
+                raise ValueError(f"{name} must be in [0, {size}), got {value}")
+        return (tp_rank // self.put_step, pcp_rank, dcp_rank, pp_rank)
+
+    def ranks(self) -> Tuple[Namespace, ...]:
+        """Coordinates (tp, pcp, dcp, pp) of every rank; under DCP, dcp = tp % dcp_size."""
+        return tuple(
+            (tp, pcp, tp % self.dcp_size if self.dcp_size > 1 else 0, pp)
+            for pcp in range(self.pcp_size)
+            for tp in range(self.tp_size)
+            for pp in range(self.pp_size)
+        )
