@@ -37,6 +37,14 @@ def fill_keys(
     n = len(index)
     if n == 0 or r == 0:
         return pos, 0
+    if pos < 0 or pos + n * r > len(out):
+        raise ValueError("out is too short for the keys to write")
+    if hash_len <= 0:
+        raise ValueError("hash_len must be > 0")
+    nbytes = memoryview(blob).nbytes
+    for hi in (min(index), max(index)):
+        if hi < 0 or (hi + 1) * hash_len > nbytes:
+            raise IndexError(f"hash index {hi} is outside the blob")
     hexed = bytes(blob).hex()
     w = 2 * hash_len
     end = pos + n * r

@@ -2,8 +2,10 @@
 
 A scheduler looks a waiting request up again every step, and requests that share a system
 prompt share its chunks: their keys need not be built twice. Entries are the tuple of one
-chunk's keys over all namespaces of one group. Eviction is generational (two dicts, the old
-one dropped when the young one fills half the budget), which keeps a hit to one dict lookup.
+chunk's keys over all namespaces of one group. Eviction is generational: new and reused entries
+go into a young dict; when young + old exceed the budget, the old dict is dropped and the young
+one becomes old. A hit stays one dict lookup, and the estimate never exceeds the budget after a
+lookup.
 """
 
 from __future__ import annotations
@@ -70,9 +72,12 @@ class KeyCache:
             self._misses += added
             self._hits += chunks - added
             self._young_bytes += added * entry_bytes
-            if self._young_bytes * 2 > self.max_bytes:
+            if self._young_bytes + self._old_bytes > self.max_bytes:
                 self._old, self._young = self._young, [{} for _ in self._young]
                 self._old_bytes, self._young_bytes = self._young_bytes, 0
+                if self._old_bytes > self.max_bytes:  # one lookup larger than the whole budget
+                    self._old = [{} for _ in self._young]
+                    self._old_bytes = 0
 
     def clear(self) -> None:
         with self._lock:

@@ -1,0 +1,81 @@
+"""Shared fixtures: every behaviour test runs on both cores (ids ``c`` / ``py``)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import mooncake_keys  # noqa: E402
+from mooncake_keys import _core, _core_py  # noqa: E402
+
+try:
+    from mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
+except ImportError:  # the Mooncake I/O modules are optional
+    pass
+
+
+def _load_c():
+    try:
+        return importlib.import_module("mooncake_keys._core_c")
+    except ImportError:
+        return None
+
+
+CORE_C = _load_c()
+
+IMPLS = [
+    pytest.param("c", marks=pytest.mark.c_extension, id="c"),
+    pytest.param("py", id="py"),
+]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch) -> types.ModuleType:
+    """The core module under test, installed as the one the package calls."""
+    if request.param == "c":
+        if CORE_C is None:
+            pytest.skip("the compiled core is not built")
+        mod = CORE_C
+    else:
+        mod = _core_py
+    monkeypatch.setattr(_core, "fill_keys", mod.fill_keys)
+    monkeypatch.setattr(_core, "reduce_presence", mod.reduce_presence)
+    return mod
+
+
+class RecordingStore:
+    """A store that answers a given list (or function of the keys) and records each call."""
+
+    def __init__(self, answer=None, exists=None):
+        self.answer = answer
+        self.exists = exists
+        self.calls = []
+
+    def batch_is_exist(self, keys):
+        assert type(keys) is list and all(type(k) is str for k in keys)
+        self.calls.append(list(keys))
+        if self.exists is not None:
+            return [1 if k in self.exists else 0 for k in keys]
+        if callable(self.answer):
+            return self.answer(keys)
+        return list(self.answer)
+
+
+@pytest.fixture
+def recording_store():
+    return RecordingStore
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("MOONCAKE_KEYS_NO_EXTENSIONS", raising=False)
+    yield
+
+
+mooncake_keys  # referenced for the side effect of importing the package first

@@ -1,0 +1,195 @@
+"""Programming errors raise at once, naming the argument; store faults answer 0 with a log line."""
+
+import logging
+
+import pytest
+
+import mooncake_keys as mk
+
+F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec
+
+
+def make(store=None, groups=(F(16),), **kw):
+    kw.setdefault("hash_block_size", 16)
+    return mk.LookupEngine("m", list(groups), kw.pop("layout", mk.ParallelLayout()),
+                           store=store or mk.MemoryStore(), **kw)
+
+
+HS = [b"a" * 8, b"b" * 8, b"c" * 8, b"d" * 8]
+
+
+def test_empty_hashes_or_nonpositive_token_len_is_zero_without_a_call(impl, recording_store):
+    st = recording_store([])
+    e = make(st)
+    assert e.lookup(64, []) == 0
+    assert e.lookup(0, HS) == 0
+    assert e.lookup(-16, HS) == 0
+    assert e.lookup(64, mk.BlockHashes.from_blob(b"", 0)) == 0
+    assert st.calls == []
+
+
+def test_nothing_to_ask_is_zero_without_a_call(impl, recording_store):
+    st = recording_store([])
+    e = make(st, groups=[F(64)])
+    assert e.lookup(64, HS[:3]) == 0  # 3 hashes of 16 tokens: no full 64-token chunk
+    assert st.calls == []
+
+
+def test_fewer_hashes_than_token_len_counts_the_rest_absent(impl, recording_store):
+    st = recording_store(lambda keys: [1] * len(keys))
+    assert make(st).lookup(16 * 10, HS) == 64
+    assert len(st.calls[0]) == 4
+    # A sliding-window-only config (vLLM can IndexError here): chunks without a hash are absent.
+    st2 = recording_store(lambda keys: [1] * len(keys))
+    assert make(st2, groups=[S(16, 32)]).lookup(16 * 10, HS) == 64
+
+
+def test_unaligned_token_len_is_a_value_error(impl):
+    with pytest.raises(ValueError, match="token_len"):
+        make(groups=[F(16), S(32, 64)]).lookup(48, HS)
+
+
+@pytest.mark.parametrize("bad", [1.0, "64", None])
+def test_token_len_type(impl, bad):
+    with pytest.raises(TypeError, match="token_len"):
+        make().lookup(bad, HS)
+
+
+def test_hashes_of_unequal_length(impl):
+    with pytest.raises(ValueError, match=r"block_hashes\[1\]"):
+        make().lookup(32, [b"aa", b"bbb"])
+
+
+@pytest.mark.parametrize("bad", [["ab", "cd"], [b"ab", 3], [None]])
+def test_hash_not_bytes_like(impl, bad):
+    with pytest.raises(TypeError, match=r"block_hashes\[\d\]"):
+        make().lookup(32, bad)
+
+
+@pytest.mark.parametrize("bad", [None, "abc", 5])
+def test_block_hashes_not_a_sequence(impl, bad):
+    with pytest.raises(TypeError, match="block_hashes"):
+        make().lookup(32, bad)
+
+
+def test_negative_skip_tokens(impl):
+    with pytest.raises(ValueError, match="skip_tokens"):
+        make().lookup(32, HS, skip_tokens=-1)
+
+
+def test_group_block_size_not_multiple_of_hash_block_size():
+    with pytest.raises(ValueError, match=r"groups\[1\] block_size \(24\).*hash_block_size \(16\)"):
+        make(groups=[F(16), F(24)])
+
+
+def test_scheduler_block_size_not_multiple_of_group_block_size():
+    with pytest.raises(ValueError, match=r"scheduler_block_size \(48\).*groups\[1\] block_size \(32\)"):
+        make(groups=[F(16), F(32)], scheduler_block_size=48)
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(hash_block_size=0), "hash_block_size"),
+    (dict(hash_block_size=-16), "hash_block_size"),
+    (dict(scheduler_block_size=-16), "scheduler_block_size"),
+])
+def test_negative_sizes(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        make(**kw)
+
+
+@pytest.mark.parametrize("ctor,arg", [
+    (lambda: F(0), "block_size"),
+    (lambda: F(-16), "block_size"),
+    (lambda: S(16, 0), "sliding_window"),
+    (lambda: mk.ParallelLayout(tp_size=0), "tp_size"),
+    (lambda: mk.ParallelLayout(pp_size=-1), "pp_size"),
+    (lambda: mk.ParallelLayout(num_kv_heads=0), "num_kv_heads"),
+    (lambda: mk.ParallelLayout(tp_size=4, dcp_size=3), "dcp_size"),
+])
+def test_bad_sizes(ctor, arg):
+    with pytest.raises(ValueError, match=arg):
+        ctor()
+
+
+def test_bad_types_in_constructors():
+    with pytest.raises(TypeError, match="block_size"):
+        F(16.0)
+    with pytest.raises(TypeError, match="spec"):
+        mk.KVCacheGroup("full")
+    with pytest.raises(TypeError, match="layout"):
+        mk.LookupEngine("m", [F(16)], None, hash_block_size=16, store=mk.MemoryStore())
+    with pytest.raises(TypeError, match="store"):
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=object())
+    with pytest.raises(TypeError, match="model_name"):
+        mk.LookupEngine(None, [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.MemoryStore())
+    with pytest.raises(TypeError, match="cache_prefix"):
+        make(cache_prefix=None)
+
+
+def test_dcp_or_pcp_with_several_groups_is_rejected():
+    for layout in (mk.ParallelLayout(tp_size=2, dcp_size=2), mk.ParallelLayout(pcp_size=2)):
+        with pytest.raises(ValueError, match="PCP/DCP"):
+            make(groups=[F(16), S(16, 32)], layout=layout)
+
+
+def test_blob_errors():
+    with pytest.raises(ValueError, match="multiple of hash_len"):
+        mk.BlockHashes.from_blob(b"abc", 2)
+    with pytest.raises(ValueError, match="hash_len"):
+        mk.BlockHashes.from_blob(b"abc", 0)
+    with pytest.raises(TypeError, match="blob"):
+        mk.BlockHashes.from_blob("abc", 1)
+
+
+class Raising:
+    def batch_is_exist(self, keys):
+        raise ConnectionError("master unreachable")
+
+
+class Short:
+    def batch_is_exist(self, keys):
+        return [1] * (len(keys) - 1)
+
+
+class NotAList:
+    def batch_is_exist(self, keys):
+        return None
+
+
+@pytest.mark.parametrize("store,cause", [
+    (Raising(), "ConnectionError: master unreachable"),
+    (Short(), "returned 3 results for 4 keys"),
+    (NotAList(), "returned NoneType"),
+])
+def test_store_faults_answer_zero_with_one_log_line(impl, caplog, store, cause):
+    e = make(store)
+    with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
+        assert e.lookup(64, HS) == 0
+    records = [r for r in caplog.records if r.name.startswith("mooncake_keys")]
+    assert len(records) == 1 and cause in records[0].getMessage()
+
+
+def test_negative_and_unknown_codes_count_as_missing(impl, recording_store):
+    for code in (0, -1, -704, -900, 2, "1", None):
+        st = recording_store(lambda keys, c=code: [1, c, 1, 1][: len(keys)])
+        assert make(st).lookup(64, HS) == 16
+
+
+def test_non_ascii_names_are_identical_on_both_cores(recording_store):
+    from conftest import CORE_C
+    from mooncake_keys import _core, _core_py
+
+    if CORE_C is None:
+        pytest.skip("the compiled core is not built")
+    out = {}
+    for mod in (CORE_C, _core_py):
+        orig = _core.fill_keys
+        _core.fill_keys = mod.fill_keys
+        try:
+            e = mk.LookupEngine("модель-日本語-🚀", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2),
+                                hash_block_size=16, cache_prefix="é\udcff", store=mk.MemoryStore())
+            out[mod.__name__] = e.candidate_keys(64, HS)
+        finally:
+            _core.fill_keys = orig
+    a, b = out.values()
+    assert a == b and a[0] == "é\udcff@модель-日本語-🚀@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + HS[0].hex()
