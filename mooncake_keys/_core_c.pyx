@@ -12,6 +12,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.string cimport memcpy
+from libc.stdlib cimport malloc, free
 
 
 cdef extern from "Python.h":
@@ -33,7 +34,22 @@ cdef const char* HEXDIGITS = b"0123456789abcdef"
 __all__ = ["fill_keys", "reduce_presence"]
 
 
-cdef inline object _make_key(object head, const unsigned char* h, Py_ssize_t hash_len):
+cdef unsigned short HEXPAIRS[256]
+cdef int _i
+for _i in range(256):
+    # Two ASCII digits per byte, in memory order (the first digit at the lower address).
+    (<unsigned char*>&HEXPAIRS[_i])[0] = HEXDIGITS[_i >> 4]
+    (<unsigned char*>&HEXPAIRS[_i])[1] = HEXDIGITS[_i & 15]
+
+
+cdef inline void _hexlify(const unsigned char* h, Py_ssize_t hash_len, unsigned char* out) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in range(hash_len):
+        memcpy(out + 2 * k, &HEXPAIRS[h[k]], 2)
+
+
+cdef inline object _make_key(object head, const unsigned char* hexed, Py_ssize_t hex_len):
+    """A new str: the characters of ``head``, then ``hex_len`` ASCII hex digits."""
     cdef Py_ssize_t hl = PyUnicode_GET_LENGTH(head)
     cdef Py_ssize_t k
     cdef unsigned char* dst
@@ -41,22 +57,18 @@ cdef inline object _make_key(object head, const unsigned char* h, Py_ssize_t has
     cdef int kind
     cdef object s
     if PyUnicode_IS_ASCII(head):
-        s = PyUnicode_New(hl + 2 * hash_len, 127)
+        s = PyUnicode_New(hl + hex_len, 127)
         dst = <unsigned char*>PyUnicode_DATA(s)
         memcpy(dst, PyUnicode_DATA(head), hl)
-        dst += hl
-        for k in range(hash_len):
-            dst[2 * k] = HEXDIGITS[h[k] >> 4]
-            dst[2 * k + 1] = HEXDIGITS[h[k] & 15]
+        memcpy(dst + hl, hexed, hex_len)
         return s
     # Non-ASCII model name or cache prefix: same characters, wider storage.
-    s = PyUnicode_New(hl + 2 * hash_len, PyUnicode_MAX_CHAR_VALUE(head))
+    s = PyUnicode_New(hl + hex_len, PyUnicode_MAX_CHAR_VALUE(head))
     PyUnicode_CopyCharacters(s, 0, head, 0, hl)
     kind = PyUnicode_KIND(s)
     data = PyUnicode_DATA(s)
-    for k in range(hash_len):
-        PyUnicode_WRITE(kind, data, hl + 2 * k, HEXDIGITS[h[k] >> 4])
-        PyUnicode_WRITE(kind, data, hl + 2 * k + 1, HEXDIGITS[h[k] & 15])
+    for k in range(hex_len):
+        PyUnicode_WRITE(kind, data, hl + k, hexed[k])
     return s
 
 
@@ -68,21 +80,23 @@ cdef inline void _put(list out, Py_ssize_t i, object s):
 
 
 def fill_keys(list out, Py_ssize_t pos, tuple heads, const unsigned char[::1] blob,
-              Py_ssize_t hash_len, const long long[::1] index, dict young=None, dict old=None):
-    """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(new_pos, added)``.
+              Py_ssize_t hash_len, const long long[::1] index, dict young=None, dict old=None,
+              bint insert=True):
+    """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(pos, hits, added)``.
 
     See ``_core_py.fill_keys`` for the contract; this one is the same, compiled.
     """
     cdef Py_ssize_t r = len(heads)
     cdef Py_ssize_t n = index.shape[0]
     cdef Py_ssize_t nblob = blob.shape[0]
-    cdef Py_ssize_t c, j, hi, added = 0
+    cdef Py_ssize_t c, j, hi, hits = 0, added = 0
     cdef const unsigned char* base
     cdef const unsigned char* h
     cdef PyObject* hit
     cdef object entry, hb, key
+    cdef bint probing = young is not None
     if n == 0 or r == 0:
-        return pos, 0
+        return pos, 0, 0
     if pos < 0 or pos + n * r > PyList_GET_SIZE(out):
         raise ValueError("out is too short for the keys to write")
     if hash_len <= 0:
@@ -92,42 +106,59 @@ def fill_keys(list out, Py_ssize_t pos, tuple heads, const unsigned char[::1] bl
         if hi < 0 or (hi + 1) * hash_len > nblob:
             raise IndexError(f"hash index {hi} is outside the blob")
     base = &blob[0]
-    if young is None:
+    cdef unsigned char* hexed = <unsigned char*>malloc(2 * hash_len)
+    if hexed == NULL:
+        raise MemoryError()
+    try:
         for c in range(n):
             h = base + index[c] * hash_len
+            if probing:
+                hb = PyBytes_FromStringAndSize(<const char*>h, hash_len)
+                hit = PyDict_GetItem(young, hb)
+                if hit == NULL and old is not None:
+                    hit = PyDict_GetItem(old, hb)
+                    if hit != NULL:
+                        PyDict_SetItem(young, hb, <object>hit)
+                        added += 1
+                if hit != NULL:
+                    hits += 1
+                    entry = <object>hit
+                    for j in range(r):
+                        _put(out, pos, (<tuple>entry)[j])
+                        pos += 1
+                    continue
+                if not insert:
+                    probing = False  # past the cached prefix: plain building from here on
+            _hexlify(h, hash_len, hexed)
+            if not probing:
+                for j in range(r):
+                    _put(out, pos, _make_key(heads[j], hexed, 2 * hash_len))
+                    pos += 1
+                continue
+            entry = PyTuple_New(r)
             for j in range(r):
-                _put(out, pos, _make_key(heads[j], h, hash_len))
+                key = _make_key(heads[j], hexed, 2 * hash_len)
+                Py_INCREF(key)
+                PyTuple_SET_ITEM(entry, j, key)
+                _put(out, pos, key)
                 pos += 1
-        return pos, 0
-    for c in range(n):
-        h = base + index[c] * hash_len
-        hb = PyBytes_FromStringAndSize(<const char*>h, hash_len)
-        hit = PyDict_GetItem(young, hb)
-        if hit == NULL and old is not None:
-            hit = PyDict_GetItem(old, hb)
-            if hit != NULL:
-                PyDict_SetItem(young, hb, <object>hit)
-                added += 1
-        if hit != NULL:
-            entry = <object>hit
-            for j in range(r):
-                _put(out, pos, (<tuple>entry)[j])
-                pos += 1
-            continue
-        entry = PyTuple_New(r)
-        for j in range(r):
-            key = _make_key(heads[j], h, hash_len)
-            Py_INCREF(key)
-            PyTuple_SET_ITEM(entry, j, key)
-            _put(out, pos, key)
-            pos += 1
-        PyDict_SetItem(young, hb, entry)
-        added += 1
-    return pos, added
+            PyDict_SetItem(young, hb, entry)
+            added += 1
+        return pos, hits, added
+    finally:
+        free(hexed)
+
+
+cdef object ONE = 1
+cdef object ZERO = 0
 
 
 cdef inline bint _is_one(object v) except -1:
     cdef int overflow = 0
+    if v is ONE:  # CPython shares small ints: the common answers are these two objects
+        return True
+    if v is ZERO:
+        return False
     if PyLong_CheckExact(v):
         return PyLong_AsLongAndOverflow(v, &overflow) == 1 and overflow == 0
     return bool(v == 1)

@@ -23,20 +23,23 @@ def fill_keys(
     index: Sequence[int],
     young: Optional[dict] = None,
     old: Optional[dict] = None,
+    insert: bool = True,
 ) -> tuple:
-    """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(new_pos, added)``.
+    """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(pos, hits, added)``.
 
     ``blob`` holds equal-length hashes back to back (``hash_len`` bytes each); ``index`` names
     the hashes (by position in the blob) to build keys for, in order. Keys are ordered hash
-    first, then head. With ``young`` (a dict: hash bytes -> tuple of keys), cached key tuples
-    are reused; a hit in ``old`` is promoted into ``young``. ``added`` counts the tuples put
-    into ``young`` (built or promoted).
+    first, then head. With ``young`` (a dict: hash bytes -> tuple of one hash's keys), cached
+    tuples are reused and a hit in ``old`` is promoted into ``young``; built tuples are added to
+    ``young`` when ``insert``, otherwise probing stops at the first miss (a cached prefix) and
+    the rest is built without the cache. ``hits`` counts hashes served from the dicts,
+    ``added`` the tuples put into ``young`` (built or promoted).
     """
     heads = tuple(heads)
     r = len(heads)
     n = len(index)
     if n == 0 or r == 0:
-        return pos, 0
+        return pos, 0, 0
     if pos < 0 or pos + n * r > len(out):
         raise ValueError("out is too short for the keys to write")
     if hash_len <= 0:
@@ -48,31 +51,38 @@ def fill_keys(
     hexed = bytes(blob).hex()
     w = 2 * hash_len
     end = pos + n * r
-    if young is None:
-        if r == 1:
-            h0 = heads[0]
-            out[pos:end] = [h0 + hexed[i * w:i * w + w] for i in index]
-        else:
-            out[pos:end] = [h + hx for hx in [hexed[i * w:i * w + w] for i in index] for h in heads]
-        return end, 0
-    mv = memoryview(blob)
-    added = 0
+    hits = added = 0
+    start = 0  # index positions before ``start`` were served by the cache
     keys: list = []
-    extend = keys.extend
-    get_young = young.get
-    for i in index:
-        hb = bytes(mv[i * hash_len:(i + 1) * hash_len])
-        entry = get_young(hb)
-        if entry is None:
-            entry = old.get(hb) if old is not None else None
+    if young is not None:
+        mv = memoryview(blob)
+        extend = keys.extend
+        for c, i in enumerate(index):
+            hb = bytes(mv[i * hash_len:(i + 1) * hash_len])
+            entry = young.get(hb)
+            if entry is None and old is not None:
+                entry = old.get(hb)
+                if entry is not None:
+                    young[hb] = entry
+                    added += 1
             if entry is None:
+                if not insert:
+                    break
                 hx = hexed[i * w:i * w + w]
-                entry = tuple([h + hx for h in heads])
-            young[hb] = entry
-            added += 1
-        extend(entry)
+                entry = young[hb] = tuple([h + hx for h in heads])
+                added += 1
+            else:
+                hits += 1
+            extend(entry)
+            start = c + 1
+    rest = index[start:]
+    if r == 1:
+        h0 = heads[0]
+        keys += [h0 + hexed[i * w:i * w + w] for i in rest]
+    else:
+        keys += [h + hx for hx in [hexed[i * w:i * w + w] for i in rest] for h in heads]
     out[pos:end] = keys
-    return end, added
+    return end, hits, added
 
 
 def reduce_presence(results: Sequence[Any], r: int) -> bytearray:

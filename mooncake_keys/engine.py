@@ -177,24 +177,41 @@ class LookupEngine:
             )
         return hashes, self._plan(token_len, len(hashes), skip_tokens)
 
-    def _build_keys(self, hashes: BlockHashes, plans: Tuple[_GroupPlan, ...]) -> List[str]:
+    def _build_keys(self, hashes: BlockHashes, plans: Tuple[_GroupPlan, ...], memo_key: Any = None) -> List[str]:
+        cache = self.key_cache
+        blob, hash_len = hashes.blob, hashes.hash_len
+        repeat = False
+        if memo_key is not None and cache.enabled:
+            # The same request again (a waiting request, every scheduler step): reuse its keys.
+            # Admission on second sight: a request seen once is not worth the memory.
+            blob_bytes = blob.tobytes()
+            memo_key = (memo_key, hash_len, len(hashes), blob_bytes[-hash_len:])
+            keys = cache.request_get(memo_key, blob_bytes)
+            if keys is not None:
+                return keys
+            repeat = cache.request_seen(memo_key)
         r = len(self.namespaces)
         total = r * sum(len(p.asked) for p in plans)
-        keys: List[str] = [None] * total  # type: ignore[list-item]
+        keys = [None] * total  # type: ignore[list-item]
         if not total:
             return keys
-        blob, hash_len = hashes.blob, hashes.hash_len
-        cache = self.key_cache
+        use_chunks = cache.enabled and r > 1  # one namespace: building beats looking up
         pos = 0
+        key_bytes = 0
         for g, plan in enumerate(plans):
             if not plan.asked:
                 continue
-            if cache.enabled:
+            if use_chunks:
+                # First sight: reuse the cached prefix only; a repeat: cache every chunk.
                 young, old = cache.dicts(g)
-                pos, added = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len, plan.index, young, old)
-                cache.record(len(plan.asked), added, self._entry_bytes(g, hash_len))
+                pos, hits, added = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len,
+                                                   plan.index, young, old, repeat)
+                cache.record(len(plan.asked), hits, added, self._entry_bytes(g, hash_len))
             else:
-                pos, _ = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len, plan.index)
+                pos = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len, plan.index)[0]
+            key_bytes += len(plan.asked) * self._entry_bytes(g, hash_len)
+        if repeat:
+            cache.request_put(memo_key, blob_bytes, keys, key_bytes)
         return keys
 
     def _entry_bytes(self, group: int, hash_len: int) -> int:
@@ -211,7 +228,7 @@ class LookupEngine:
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
             return []
-        return self._build_keys(*prepared)
+        return self._build_keys(*prepared, memo_key=(token_len, skip_tokens))
 
     def lookup(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
         """Hit length in tokens (0 .. ``token_len``) of the longest usable stored prefix.
@@ -225,7 +242,7 @@ class LookupEngine:
         if prepared is None:
             return 0
         hashes, plans = prepared
-        keys = self._build_keys(hashes, plans)
+        keys = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
         if keys:
             flags = self._ask(keys)
             if flags is None:

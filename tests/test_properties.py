@@ -130,10 +130,15 @@ def test_key_cache_budget_never_changes_keys(impl, case, cache_bytes):
     rnd = random.Random(case["seed"])
     store = KeyedAnswer(case["seed"], case["density"])
     eng, ref = _build(case, store, key_cache_bytes=cache_bytes)
-    for _ in range(3):
+    shared = _distinct_hashes(rnd, case["num_hashes"], case["hash_len"])
+    previous = []
+    for _ in range(4):
         hashes = _distinct_hashes(rnd, case["num_hashes"], case["hash_len"])
-        if rnd.random() < 0.5 and hashes:
-            hashes[: len(hashes) // 2] = hashes[: len(hashes) // 2]  # share a prefix with itself
+        k = rnd.randrange(len(hashes) + 1)
+        hashes[:k] = shared[:k]  # a shared system prompt, then the request's own tail
+        if previous and rnd.random() < 0.4:
+            hashes = previous  # the same request again (a waiting request)
+        previous = hashes
         want = ref.candidates(case["token_len"], hashes)[0] if hashes and case["token_len"] > 0 else []
         assert eng.candidate_keys(case["token_len"], hashes) == want
         assert eng.lookup(case["token_len"], hashes) == ref.lookup(case["token_len"], hashes, store)

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: installs what it needs, then runs the job.
+#   bash scripts/dev.sh demo    # the main job: a serving workload on the embedded default store
+#   bash scripts/dev.sh test    # the whole test suite: compiled core, then a compiler-less install
+#   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+
+install_system() {
+  # The Mooncake wheel links libibverbs even in its non-CUDA build (plus libcurl and libnuma).
+  if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 libcurl4 libnuma1 >/dev/null
+    else
+      echo "warning: libibverbs1 is missing (apt-get install libibverbs1); Mooncake will be unavailable" >&2
+    fi
+  fi
+}
+
+install_python() {
+  # torch 2.13.0 is the CPU build on this machine's disk; other versions pull gigabytes.
+  "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+  MOONCAKE_KEYS_FORCE_EXTENSIONS=1 "$PY" -m pip install -q --disable-pip-version-check -e ".[mooncake,test,bench]"
+}
+
+run_pytest() {
+  # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
+  local rc=0
+  "$PY" -m pytest "$@" || rc=$?
+  if [ "$rc" = 5 ]; then echo "error: pytest ran no test" >&2; return 1; fi
+  return "$rc"
+}
+
+no_master_left() {
+  if pgrep -x mooncake_master >/dev/null; then
+    echo "error: a mooncake_master process was left running:" >&2; pgrep -a -x mooncake_master >&2; return 1
+  fi
+}
+
+cmd_test() {
+  install_system
+  install_python
+  echo "== 1/2: compiled core (the guard test fails if it did not load)"
+  "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
+  run_pytest -q -p no:cacheprovider tests
+  no_master_left
+  echo "== 2/2: an install with no usable compiler (CC=false) runs the whole suite on pure Python"
+  local tmp; tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  git ls-files -z | xargs -0 tar -cf - | tar -xf - -C "$tmp"
+  (cd "$tmp" && CC=false "$PY" -m pip install -v --disable-pip-version-check --no-deps \
+      --no-build-isolation --target "$tmp/site" . >"$tmp/install.log" 2>&1) || { cat "$tmp/install.log"; return 1; }
+  grep -q "falls back to pure Python" "$tmp/install.log" || { echo "error: expected the pure-Python fallback warning" >&2; cat "$tmp/install.log"; return 1; }
+  if ls "$tmp/site/mooncake_keys/"_core_c*.so >/dev/null 2>&1; then echo "error: CC=false still built the extension" >&2; return 1; fi
+  (cd "$tmp" && rm -rf mooncake_keys && PYTHONPATH="$tmp/site" CC=false \
+      "$PY" -c 'import mooncake_keys as mk, sys; print("ACCELERATED =", mk.ACCELERATED, mk.__file__); sys.exit(mk.ACCELERATED)')
+  (cd "$tmp" && PYTHONPATH="$tmp/site" CC=false run_pytest -q -p no:cacheprovider -m "not c_extension" tests)
+  no_master_left
+}
+
+cmd_demo() {
+  install_system
+  install_python
+  "$PY" -m mooncake_keys demo "$@"
+}
+
+cmd_bench() {
+  install_system
+  install_python
+  "$PY" -m mooncake_keys bench "$@"
+}
+
+case "${1:-}" in
+  test) shift; cmd_test "$@" ;;
+  demo) shift; cmd_demo "$@" ;;
+  bench) shift; cmd_bench "$@" ;;
+  install) install_system; install_python ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|bench|install}" >&2; exit 2 ;;
+esac
