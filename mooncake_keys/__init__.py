@@ -14,6 +14,31 @@ from .keycache import KeyCache, KeyCacheStats
 from .layout import ParallelLayout
 from .memory_store import MemoryStore
 from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from .embedded import OpenStore, open_store
+from .local_master import LocalMaster, LocalMasterError
+from .mooncake_store import (
+    MooncakeStore,
+    MooncakeStoreConfig,
+    MooncakeStoreError,
+    MooncakeStoreUnavailable,
+)
+
+_LAZY = {  # need torch: imported on first use
+    "KVPool": "kvpool",
+    "SaveResult": "kvpool",
+    "LoadResult": "kvpool",
+    "KVPoolError": "kvpool",
+    "KVPoolStoreError": "kvpool",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mooncake_keys' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 __version__ = "0.1.0"
 
@@ -26,10 +51,23 @@ __all__ = [
     "KeyCache",
     "KeyCacheStats",
     "KeyMetadata",
+    "KVPool",
+    "KVPoolError",
+    "KVPoolStoreError",
+    "LoadResult",
+    "LocalMaster",
+    "LocalMasterError",
     "LookupEngine",
     "MemoryStore",
+    "MooncakeStore",
+    "MooncakeStoreConfig",
+    "MooncakeStoreError",
+    "MooncakeStoreUnavailable",
+    "OpenStore",
     "ParallelLayout",
     "PoolKey",
+    "SaveResult",
     "SlidingWindowSpec",
     "model_name_from_path",
+    "open_store",
 ]
