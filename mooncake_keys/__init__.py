@@ -8,7 +8,7 @@ is available (``ACCELERATED``), in a pure-Python twin otherwise.
 from ._core import ACCELERATED
 from ._keys import KeyMetadata, PoolKey, model_name_from_path
 from .coordinator import Coordinator
-from .engine import LookupEngine
+from .engine import LookupEngine, LookupStats
 from .hashes import BlockHashes
 from .keycache import KeyCache, KeyCacheStats
 from .layout import ParallelLayout
@@ -58,6 +58,7 @@ __all__ = [
     "LocalMaster",
     "LocalMasterError",
     "LookupEngine",
+    "LookupStats",
     "MemoryStore",
     "MooncakeStore",
     "MooncakeStoreConfig",

@@ -13,6 +13,7 @@ A lookup (vLLM's ``MooncakeStoreWorker.lookup``, PCP/DCP-correct as of vLLM #468
 from __future__ import annotations
 
 import logging
+import threading
 from array import array
 from dataclasses import dataclass
 from functools import lru_cache
@@ -26,7 +27,7 @@ from .keycache import DEFAULT_KEY_CACHE_BYTES, KeyCache
 from .layout import ParallelLayout
 from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
-__all__ = ["LookupEngine"]
+__all__ = ["LookupEngine", "LookupStats"]
 
 logger = logging.getLogger("mooncake_keys.engine")
 
@@ -35,6 +36,17 @@ def _int_arg(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+@dataclass(frozen=True)
+class LookupStats:
+    """Counters since the engine was made: lookups answered, store calls, keys sent, hit tokens."""
+
+    lookups: int
+    store_calls: int
+    store_failures: int
+    keys_sent: int
+    hit_tokens: int
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,8 @@ class LookupEngine:
         self.key_cache = KeyCache(len(groups), key_cache_bytes)
         self._entry_sizes: dict = {}
         self._plan = lru_cache(maxsize=256)(self._compute_plan)
+        self._stats_lock = threading.Lock()
+        self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
 
     @property
     def keys_per_chunk(self) -> int:
@@ -240,19 +254,38 @@ class LookupEngine:
         """
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
+            self._count(0, 0, 0)
             return 0
         hashes, plans = prepared
         keys = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
         if keys:
             flags = self._ask(keys)
             if flags is None:
+                self._count(len(keys), 1, 0)
                 return 0
         elif not any(p.presumed for p in plans):
+            self._count(0, 0, 0)
             return 0  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
         else:
             flags = b""
         presence = self._presence(plans, flags)
-        return self.coordinator.find_longest_cache_hit(presence, token_len)
+        hit = self.coordinator.find_longest_cache_hit(presence, token_len)
+        self._count(len(keys), 0, hit)
+        return hit
+
+    def _count(self, keys: int, failed: int, hit: int) -> None:
+        with self._stats_lock:
+            c = self._counts
+            c[0] += 1
+            c[1] += 1 if keys else 0
+            c[2] += failed
+            c[3] += keys
+            c[4] += hit
+
+    def stats(self) -> LookupStats:
+        """Counters since creation (see :class:`LookupStats`)."""
+        with self._stats_lock:
+            return LookupStats(*self._counts)
 
     def _ask(self, keys: List[str]) -> Optional[bytearray]:
         """One ``batch_is_exist``; per chunk 1 when all its namespaces answered 1; None on a fault."""

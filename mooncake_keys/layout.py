@@ -36,6 +36,12 @@ class ParallelLayout:
             raise TypeError("use_mla must be a bool")
         if self.tp_size % self.dcp_size:
             raise ValueError(f"dcp_size ({self.dcp_size}) must divide tp_size ({self.tp_size})")
+        heads, tp = self.heads, self.tp_size
+        if tp % heads and heads % tp:
+            # vLLM rejects these too; here the last TP ranks would write namespaces no lookup asks.
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide tp_size ({tp}) or be a multiple of it"
+            )
 
     @property
     def heads(self) -> int:

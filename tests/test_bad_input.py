@@ -193,3 +193,14 @@ def test_non_ascii_names_are_identical_on_both_cores(recording_store):
             _core.fill_keys = orig
     a, b = out.values()
     assert a == b and a[0] == "é\udcff@модель-日本語-🚀@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + HS[0].hex()
+
+
+def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store):
+    st = recording_store(lambda keys: [1, 1, 0, 1][: len(keys)])
+    e = make(st)
+    assert e.lookup(64, HS) == 32
+    assert e.lookup(64, []) == 0
+    f = make(Raising())
+    f.lookup(64, HS)
+    assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32)
+    assert f.stats() == mk.LookupStats(lookups=1, store_calls=1, store_failures=1, keys_sent=4, hit_tokens=0)

@@ -20,7 +20,7 @@ def layouts(draw):
     tp = draw(st.integers(1, 8))
     pp = draw(st.integers(1, 4))
     mla = draw(st.booleans())
-    heads = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    heads = draw(st.sampled_from([h for h in (1, 2, 3, 4, 6, 8, 16) if tp % h == 0 or h % tp == 0]))
     mode = draw(st.sampled_from(["plain", "plain", "dcp", "pcp"]))
     pcp = dcp = 1
     if mode == "dcp":
