@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -66,6 +67,14 @@ DEFAULT_SETUP_RETRIES = 1
 #: Bounds every RPC to a hung master (the client's default is 30 s).
 DEFAULT_RPC_TIMEOUT_MS = 2000
 
+#: Seconds between TCP probes of the master's RPC port (0 or None: no probe). The client's own
+#: ping notices a dead master after 1-5 s, and every call stalls ~4.3 s until it does; a refused
+#: connection on the master's port tells within one interval.
+DEFAULT_PROBE_INTERVAL_S = 0.2
+
+#: ``ErrorCode::RPC_FAIL``: the master could not be reached for this call.
+RPC_FAIL = -900
+
 #: ``health_check()`` codes of the Mooncake client.
 HEALTHY, NOT_INITIALISED, MASTER_UNREACHABLE = 0, 1, 2
 _HEALTH_REASONS = {
@@ -85,11 +94,14 @@ class MooncakeStoreUnavailable(MooncakeStoreError):
     unreachable.
     """
 
-    def __init__(self, health: int, master_address: str = "") -> None:
+    def __init__(self, health: int, master_address: str = "", detail: str = "") -> None:
         self.health = health
         reason = _HEALTH_REASONS.get(health, "unknown health state")
         where = f" at {master_address}" if master_address else ""
-        super().__init__(f"Mooncake store unavailable{where}: health_check()={health} ({reason})")
+        if detail:
+            super().__init__(f"Mooncake store unavailable{where}: {reason} ({detail})")
+        else:
+            super().__init__(f"Mooncake store unavailable{where}: health_check()={health} ({reason})")
 
 
 # --------------------------------------------------------------------------- config
@@ -306,14 +318,27 @@ class MooncakeStore:
     Thread-safe: the client releases the GIL, and calls may run in parallel.
     """
 
-    def __init__(self, client: Any, *, master_address: str = "") -> None:
-        """Wrap ``client``, a ``MooncakeDistributedStore`` whose ``setup()`` returned 0."""
+    def __init__(
+        self,
+        client: Any,
+        *,
+        master_address: str = "",
+        probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S,
+    ) -> None:
+        """Wrap ``client``, a ``MooncakeDistributedStore`` whose ``setup()`` returned 0.
+
+        With a ``host:port`` master address and ``probe_interval_s``, a daemon thread
+        connects to the master's RPC port every interval; a refused or timed-out connection
+        makes calls raise :class:`MooncakeStoreUnavailable` at once, before the client's own
+        ping has noticed (1-5 s, during which each call stalls ~4.3 s).
+        """
         self._client = client
         self.master_address = master_address
         self._cond = threading.Condition()
         self._open = True
         self._in_flight = 0
         self._closed = threading.Event()
+        self._probe = _MasterProbe.start_for(master_address, probe_interval_s)
 
     # ----------------------------------------------------------- construction
 
@@ -330,6 +355,7 @@ class MooncakeStore:
         device_name: str = "",
         setup_retries: int | None = None,
         rpc_timeout_ms: int | None = None,
+        probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S,
     ) -> MooncakeStore:
         """Set up a client against the master at ``master_address`` ("host:port").
 
@@ -360,7 +386,7 @@ class MooncakeStore:
                 f"{local_hostname!r}. Is mooncake_master running and listening on that address?"
             )
         logger.debug("connected to Mooncake master %s in %.0f ms", master_address, elapsed_ms)
-        return cls(client, master_address=master_address)
+        return cls(client, master_address=master_address, probe_interval_s=probe_interval_s)
 
     @classmethod
     def from_config(
@@ -404,6 +430,8 @@ class MooncakeStore:
             if not self._open:
                 raise MooncakeStoreError("store is closed")
             if check_health:
+                if self._probe is not None and self._probe.down:
+                    raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
                 health = self._client.health_check()
                 if health != HEALTHY:
                     raise MooncakeStoreUnavailable(health, self.master_address)
@@ -419,9 +447,14 @@ class MooncakeStore:
     def _call(self, method: str, *args: Any, check_health: bool = True) -> Any:
         client = self._enter(check_health)
         try:
-            return getattr(client, method)(*args)
+            result = getattr(client, method)(*args)
         finally:
             self._leave()
+        if self._probe is not None and _rpc_failed(result):
+            # The master just dropped the connection: the next calls would stall ~4.3 s each
+            # until the client's ping notices. Refuse them until a probe reaches the master.
+            self._probe.suspect(f"{method} returned {RPC_FAIL} (RPC_FAIL)")
+        return result
 
     # ----------------------------------------------------------- state
 
@@ -449,6 +482,8 @@ class MooncakeStore:
             self._open = False
             while first and self._in_flight:
                 self._cond.wait()
+        if first and self._probe is not None:
+            self._probe.stop()
         if not first:
             self._closed.wait()
             return
@@ -536,6 +571,66 @@ class MooncakeStore:
         if not checked:
             return []
         return self._call("batch_get_into", checked, list(ptrs), list(sizes))
+
+
+def _rpc_failed(result: Any) -> bool:
+    if isinstance(result, int):
+        return result == RPC_FAIL
+    return isinstance(result, list) and bool(result) and result[0] == RPC_FAIL and all(
+        r == RPC_FAIL for r in result
+    )
+
+
+class _MasterProbe(threading.Thread):
+    """Connects to the master's RPC port every ``interval`` s; ``down`` while that fails."""
+
+    def __init__(self, host: str, port: int, interval: float) -> None:
+        super().__init__(name=f"mooncake-probe-{host}:{port}", daemon=True)
+        self.address = (host, port)
+        self.interval = interval
+        self.down = False
+        self.reason = ""
+        self._stop_event = threading.Event()
+        self._wake = threading.Event()
+
+    @classmethod
+    def start_for(cls, master_address: str, interval: float | None) -> "_MasterProbe | None":
+        if not interval or interval <= 0:
+            return None
+        host, sep, port = master_address.rpartition(":")
+        if not sep or not port.isdigit() or "://" in master_address or ";" in master_address:
+            return None  # HA / etcd addresses: leave it to the client's own ping
+        probe = cls(host.strip("[]"), int(port), interval)
+        probe.start()
+        return probe
+
+    def suspect(self, reason: str) -> None:
+        """Mark the master down now and re-probe at once (a live master clears it within µs)."""
+        if not self.down:
+            logger.warning("Mooncake master %s:%d suspected down: %s", *self.address, reason)
+        self.reason = reason
+        self.down = True
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self._wake.clear()
+            try:
+                with socket.create_connection(self.address, timeout=max(self.interval, 0.5)):
+                    pass
+                if self.down:
+                    logger.info("Mooncake master %s:%d answers again", *self.address)
+                self.down, self.reason = False, ""
+            except OSError as exc:
+                if not self.down:
+                    logger.warning("Mooncake master %s:%d unreachable: %s", *self.address, exc)
+                self.reason = f"TCP probe of the master: {exc.strerror or exc}"
+                self.down = True
+            self._wake.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self._wake.set()
 
 
 def _close_quietly(client: Any) -> None:

@@ -33,9 +33,12 @@ run_pytest() {
   return "$rc"
 }
 
-no_master_left() {
-  if pgrep -x mooncake_master >/dev/null; then
-    echo "error: a mooncake_master process was left running:" >&2; pgrep -a -x mooncake_master >&2; return 1
+masters() { pgrep -x mooncake_master | sort || true; }
+
+no_master_left() {  # $1: the masters that were running before the suite
+  local left; left=$(comm -13 <(echo "$1") <(masters) | grep . || true)
+  if [ -n "$left" ]; then
+    echo "error: the suite left mooncake_master running:" >&2; ps -o pid,etime,cmd -p $left >&2; return 1
   fi
 }
 
@@ -44,8 +47,9 @@ cmd_test() {
   install_python
   echo "== 1/2: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
+  local before; before=$(masters)
   run_pytest -q -p no:cacheprovider tests
-  no_master_left
+  no_master_left "$before"
   echo "== 2/2: an install with no usable compiler (CC=false) runs the whole suite on pure Python"
   local tmp; tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
@@ -57,7 +61,7 @@ cmd_test() {
   (cd "$tmp" && rm -rf mooncake_keys && PYTHONPATH="$tmp/site" CC=false \
       "$PY" -c 'import mooncake_keys as mk, sys; print("ACCELERATED =", mk.ACCELERATED, mk.__file__); sys.exit(mk.ACCELERATED)')
   (cd "$tmp" && PYTHONPATH="$tmp/site" CC=false run_pytest -q -p no:cacheprovider -m "not c_extension" tests)
-  no_master_left
+  no_master_left "$before"
 }
 
 cmd_demo() {
