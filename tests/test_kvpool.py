@@ -419,7 +419,7 @@ def test_bad_kv_caches():
     with pytest.raises(ValueError, match=r"kv_caches\[0\] must be a CPU tensor.*meta"):
         pool(store, kv_caches=[torch.empty(8, 64, device="meta")])
     with pytest.raises(TypeError, match=r"kv_caches\[1\] must be a torch.Tensor"):
-        pool(store, [F(16), F(32)], kv_caches=[t, t.numpy()])
+        pool(store, [F(16), F(32)], kv_caches=[t, bytearray(8 * 64)])
     with pytest.raises(ValueError, match="one tensor per KV-cache group \\(2\\), got 1"):
         pool(store, [F(16), F(32)], kv_caches=[t])
     with pytest.raises(TypeError, match="kv_caches must be a sequence"):
