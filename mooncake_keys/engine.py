@@ -176,11 +176,6 @@ class LookupEngine:
         skip_tokens = _int_arg("skip_tokens", skip_tokens)
         if skip_tokens < 0:
             raise ValueError(f"skip_tokens must be >= 0, got {skip_tokens}")
-        if block_hashes is None or isinstance(block_hashes, (str, int)):
-            raise TypeError(
-                "block_hashes must be a sequence of bytes-like hashes or a BlockHashes, "
-                f"got {type(block_hashes).__name__}"
-            )
         hashes = as_block_hashes(block_hashes)
         if not len(hashes) or token_len <= 0:
             return None

@@ -339,15 +339,6 @@ class KVPool:
             raise ValueError(f"block_ids[{g}][{j}] = {b} is out of range for kv_caches[{g}] ({nb} blocks)")
         return b
 
-    @staticmethod
-    def _hashes(block_hashes: Any) -> BlockHashes:
-        if block_hashes is None or isinstance(block_hashes, (str, int)):
-            raise TypeError(
-                "block_hashes must be a sequence of bytes-like hashes or a BlockHashes, "
-                f"got {type(block_hashes).__name__}"
-            )
-        return as_block_hashes(block_hashes)
-
     def _chunks_with_hash(self, token_len: int, num_hashes: int) -> List[int]:
         """Per group, how many leading chunks lie below ``token_len`` and have a hash."""
         out = []
@@ -438,7 +429,7 @@ class KVPool:
         token_len = _int_arg("token_len", token_len)
         if token_len < 0:
             raise ValueError(f"token_len must be >= 0, got {token_len}")
-        hashes = self._hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         token_len -= token_len % self.scheduler_block_size
         table = self._block_table(block_ids, self._chunks_with_hash(token_len, len(hashes)))
         no_chunks: Tuple[Tuple[int, ...], ...] = tuple(() for _ in self.groups)
@@ -546,7 +537,7 @@ class KVPool:
             raise ValueError(f"token_len must be >= 0, got {token_len}")
         if skip_tokens < 0:
             raise ValueError(f"skip_tokens must be >= 0, got {skip_tokens}")
-        hashes = self._hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         token_len -= token_len % self.load_alignment
         have = self._chunks_with_hash(token_len, len(hashes))
         table = self._block_table(block_ids, have)
