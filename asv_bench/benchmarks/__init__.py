@@ -1,0 +1,1 @@
+"""asv benchmarks for mooncake_keys: see ../README.md, and common.py for the vocabulary."""

@@ -1,0 +1,150 @@
+"""End to end: standard scenario (a) (16,384 keys per lookup) against a real ``mooncake_master``
+on 127.0.0.1, 75 % of the prefix stored.
+
+Skipped (NotImplementedError in ``setup``, reason printed) when ``mooncake`` cannot be imported,
+when mooncake_keys has no ``LocalMaster`` / ``MooncakeStore`` (package attributes, or the modules
+``mooncake_keys.local_master`` / ``mooncake_keys.mooncake_store``), or when the master does not
+start. One master and one client per benchmark process, started on first use and stopped at
+exit. Modes: cold = keys built from scratch (engine without key cache, plan caches cleared);
+warm = the key cache holds the request. ``track_client_share`` is the client-side share of a
+lookup: (lookup time with the stub store answering the same list) / (lookup time with the real
+store), both the minimum of interleaved runs.
+"""
+
+import atexit
+import ctypes
+import sys
+import time
+
+from .common import (DEFAULT_KEY_CACHE_BYTES, STANDARD, BenchState, Bench, StubStore, build_impl, make_request,
+                     membership_answer)
+
+_ENV = {}
+
+
+def _skip(reason):
+    print(f"bench_mooncake skipped: {reason}", file=sys.stderr)
+    raise NotImplementedError(reason)
+
+
+def _classes():
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing system library
+        _skip(f"mooncake cannot be imported ({type(exc).__name__}: {exc})")
+    import mooncake_keys as mk
+
+    master_cls = getattr(mk, "LocalMaster", None)
+    store_cls = getattr(mk, "MooncakeStore", None)
+    if master_cls is None or store_cls is None:
+        try:
+            from mooncake_keys.local_master import LocalMaster as master_cls
+            from mooncake_keys.mooncake_store import MooncakeStore as store_cls
+        except ImportError as exc:
+            _skip(f"mooncake_keys.LocalMaster / mooncake_keys.MooncakeStore do not exist yet ({exc})")
+    return master_cls, store_cls
+
+
+def _stop():
+    env = dict(_ENV)
+    _ENV.clear()
+    store, master = env.get("store"), env.get("master")
+    try:
+        if store is not None:
+            if env.get("buffer_ptr"):
+                store.unregister_buffer(env["buffer_ptr"])
+            store.close()
+    finally:
+        if master is not None:
+            master.stop()
+
+
+def _env():
+    """The master, a client, and scenario (a)'s request 0 with its stored prefix, started once."""
+    if _ENV.get("error"):
+        _skip(_ENV["error"])
+    if _ENV:
+        return _ENV
+    master_cls, store_cls = _classes()
+    sc = STANDARD["a"]
+    req = make_request(sc, 0)
+    answer = membership_answer(sc, req)
+    try:
+        master = master_cls().start()
+        _ENV["master"] = master
+        atexit.register(_stop)
+        store = store_cls.connect(master.master_address, global_segment_size=256 << 20)
+        _ENV["store"] = store
+        probe = build_impl("py", sc, StubStore(answer), key_cache_bytes=0)
+        keys = probe.candidate_keys(req)
+        present = [k for k, a in zip(keys, answer) if a == 1]
+        buf = ctypes.create_string_buffer(4096)
+        ptr = ctypes.addressof(buf)
+        if store.register_buffer(ptr, len(buf)) != 0:
+            raise RuntimeError("register_buffer failed")
+        _ENV.update(buffer=buf, buffer_ptr=ptr)
+        rc = store.batch_put_from(present, [ptr] * len(present), [64] * len(present))
+        if any(rc):
+            raise RuntimeError(f"{sum(1 for x in rc if x)} of {len(present)} puts failed")
+        if store.batch_is_exist(keys) != answer:
+            raise RuntimeError("the store does not answer what was put")
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the master did not start, or the client could not connect
+        _ENV["error"] = f"mooncake_master / client not usable ({type(exc).__name__}: {exc})"
+        _skip(_ENV["error"])
+    _ENV.update(scenario=sc, request=req, answer=answer)
+    return _ENV
+
+
+class MooncakeLookup(BenchState):
+    params = [["c", "py", "seed"], ["cold", "warm"]]
+    param_names = ["impl", "mode"]
+    repeat = (3, 25, 10.0)
+    timeout = 300
+
+    def setup(self, impl, mode):
+        env = _env()
+
+        def build():
+            sc, req = env["scenario"], env["request"]
+            cache = 0 if mode == "cold" else DEFAULT_KEY_CACHE_BYTES
+            real = build_impl(impl, sc, env["store"], key_cache_bytes=cache)
+            stub = build_impl(impl, sc, StubStore(env["answer"]), key_cache_bytes=cache)
+            with real:
+                for _ in range(2):  # warm: the engine keeps a request on its second sight
+                    hit = real.lookup(req)
+            with stub:
+                for _ in range(2):
+                    stub_hit = stub.lookup(req)
+            if hit != stub_hit:
+                raise RuntimeError(f"real store hit {hit} != stub hit {stub_hit}")
+            return Bench(sc, real, env["store"], [req], env["answer"], extra={"stub": stub, "hit": hit})
+
+        # Only request 0 is stored, so "cold" repeats it with the key cache off (see above).
+        self._enter(("MooncakeLookup", impl, mode), build, "warm")
+        if mode == "cold":
+            self.b.impl.forget_shapes()
+
+    def teardown(self, impl, mode):
+        self._leave()
+
+    def time_lookup(self, impl, mode):
+        self.b.impl.lookup(self.req)
+
+    def track_client_share(self, impl, mode):
+        """Client-side time / total time of one lookup (min of 15 interleaved runs each)."""
+        req = self.b.pool[0]
+        real, stub = self.b.impl, self.b.extra["stub"]
+        best = {"real": float("inf"), "stub": float("inf")}
+        for _ in range(15):
+            for name, runner in (("stub", stub), ("real", real)):
+                with runner:
+                    if mode == "cold":
+                        runner.forget_shapes()
+                    t0 = time.perf_counter_ns()
+                    runner.lookup(req)
+                    best[name] = min(best[name], time.perf_counter_ns() - t0)
+        return best["stub"] / best["real"]
+
+    track_client_share.unit = "fraction"

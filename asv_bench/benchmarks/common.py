@@ -1,0 +1,466 @@
+"""Shared, seeded data builders for the benchmarks and ``sidebyside``. Only appended, never changed:
+a result recorded today must mean the same thing next year, so add a new scenario rather than
+editing one.
+
+Vocabulary (sizes in tokens unless said otherwise):
+
+* a *scenario* is a deployment (model, KV-cache groups, rank layout, hash block size) plus a
+  request shape (number of hashes, hash length) and the fraction of the prefix that is stored;
+* a *request* is one seeded blob of hashes, as vLLM's lookup server receives it (#45969);
+* an *impl* is one of ``IMPLS``: ``"c"`` / ``"py"`` = ``mooncake_keys.LookupEngine`` on the
+  compiled / pure-Python core, ``"seed"`` / ``"pre"`` = the vLLM re-expressions in ``baselines``;
+* *cold* = every lookup is a request the engine has never seen: a fresh seeded request, made
+  before the timed call (asv re-runs ``setup`` before every sample, and that is where it is
+  made), with the engine's per-shape caches (plan, lookup mask) cleared as for a request of a
+  new length. A pool of requests cycled would not do: mooncake_keys admits a request into its
+  key cache on *second sight*, so a cycled request is a repeat, not a cold one;
+* *warm* = the same request again, in steady state (looked up twice before timing, so that the
+  key cache holds it).
+
+:class:`StubStore` answers ``batch_is_exist`` with one precomputed list, so that only client-side
+work is timed. The list is computed once per scenario by a real set-membership pass over the keys
+of a request (the keys of the stored prefix are put in a set, then every key is looked up). The
+answer depends only on the position of a key (group, chunk, namespace), never on the hash, so
+every request of a scenario gets the same list. ``batch_is_exist`` returns that list object itself,
+not a copy: a real client builds a fresh list, but that cost belongs to the store, not to us.
+
+This module imports mooncake_keys but not asv.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mooncake_keys as mk
+from mooncake_keys import _core_py
+
+def _load_sibling(name: str) -> Any:
+    """Import the sibling module ``name``.py under a private name (this file was loaded by path)."""
+    import importlib.util
+
+    full = f"_mooncake_keys_bench_{name}"
+    if full not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+try:
+    from . import baselines
+except ImportError:  # loaded by file path, not as a package
+    baselines = _load_sibling("baselines")
+
+try:
+    from mooncake_keys import _core_c
+except ImportError:  # not built
+    _core_c = None
+
+__all__ = [
+    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "StubStore", "Impl",
+    "build_impl", "grid_scenario", "make_request", "count_keys",
+    "membership_answer", "memo", "Bench", "lookup_bench", "prime", "burn_in", "BenchState",
+]
+
+IMPLS = ["c", "py", "seed", "pre"]
+MODEL = "DeepSeek-V4"
+try:  # the engine's default key-cache budget: the benchmarks run the engine as users get it
+    from mooncake_keys.keycache import DEFAULT_KEY_CACHE_BYTES
+except ImportError:
+    DEFAULT_KEY_CACHE_BYTES = 64 << 20
+
+#: Rank layouts by R, the number of namespaces a chunk is looked up in.
+LAYOUTS: Dict[int, dict] = {
+    1: dict(tp_size=1, pp_size=1, num_kv_heads=8),
+    8: dict(tp_size=4, pp_size=2, num_kv_heads=8),
+    32: dict(tp_size=8, pp_size=4, num_kv_heads=8),
+}
+
+#: KV-cache group sets, each with its hash block size.
+GROUPS: Dict[str, Tuple[Callable[[], list], int]] = {
+    "full": (lambda: [mk.KVCacheGroup(mk.FullAttentionSpec(64))], 64),
+    # need = ceil(4095/64) = 64 >= lcm/bs = 1: the sliding-window group asks every chunk.
+    "full+swa": (lambda: [mk.KVCacheGroup(mk.FullAttentionSpec(64)),
+                          mk.KVCacheGroup(mk.SlidingWindowSpec(64, 4096))], 64),
+    # DeepSeek-V4-like: big full block (4 hashes per chunk, compact view), small SWA block under
+    # a lookup mask (need 2 of every 4 chunks).
+    "dsv4": (lambda: [mk.KVCacheGroup(mk.FullAttentionSpec(256)),
+                      mk.KVCacheGroup(mk.SlidingWindowSpec(64, 128))], 64),
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A deployment plus a request shape. ``present`` is the stored fraction of the prefix."""
+
+    name: str
+    groups: Tuple[Any, ...]
+    layout: Any
+    hash_block_size: int
+    n_hashes: int
+    hash_len: int = 32
+    present: float = 0.75
+    model_name: str = MODEL
+    use_eagle: bool = False
+
+    @property
+    def scheduler_block_size(self) -> int:
+        return math.lcm(*(g.spec.block_size for g in self.groups))
+
+    @property
+    def token_len(self) -> int:
+        """Tokens looked up: every hash, floored to the scheduler block size."""
+        sbs = self.scheduler_block_size
+        return self.n_hashes * self.hash_block_size // sbs * sbs
+
+    @property
+    def present_token_len(self) -> int:
+        """Tokens of the stored prefix, floored to the scheduler block size."""
+        sbs = self.scheduler_block_size
+        return int(self.token_len * self.present) // sbs * sbs
+
+    @property
+    def namespaces(self) -> int:
+        return len(self.layout.lookup_namespaces())
+
+
+#: The standard scenarios of the issue; token_len = hashes * 64.
+STANDARD: Dict[str, Scenario] = {
+    # (a) Full(64), TP 4 x PP 2, 8 KV heads: 8 namespaces; 2,048 hashes of 32 B.
+    "a": Scenario("a", tuple(GROUPS["full"][0]()), mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8),
+                  64, 2048),
+    # (b) the same with a sliding-window group beside it.
+    "b": Scenario("b", tuple(GROUPS["full+swa"][0]()), mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8),
+                  64, 2048),
+    # (c) MLA on TP 8: 1 namespace; Full(64); 8,192 hashes.
+    "c": Scenario("c", tuple(GROUPS["full"][0]()), mk.ParallelLayout(tp_size=8, num_kv_heads=8, use_mla=True),
+                  64, 8192),
+}
+
+
+def grid_scenario(n_hashes: int, r: int, groups: str = "full", hash_len: int = 32) -> Scenario:
+    """A scenario of the size grid: ``r`` namespaces (1, 8, 32), a group set of ``GROUPS``."""
+    make, hbs = GROUPS[groups]
+    return Scenario(f"grid-{groups}-n{n_hashes}-r{r}-h{hash_len}", tuple(make()),
+                    mk.ParallelLayout(**LAYOUTS[r]), hbs, n_hashes, hash_len)
+
+
+# ------------------------------------------------------------------------------------ requests
+@dataclass(frozen=True)
+class Request:
+    """One request's hashes as one blob (``n`` hashes of ``hash_len`` bytes), and its token_len."""
+
+    blob: bytes
+    hash_len: int
+    token_len: int
+
+    @property
+    def n(self) -> int:
+        return len(self.blob) // self.hash_len
+
+
+def make_request(scenario: Scenario, index: int) -> Request:
+    """Request number ``index`` of ``scenario``: seeded random hashes (distinct with certainty)."""
+    rng = random.Random(f"mooncake_keys-bench:{scenario.name}:{scenario.hash_len}:{index}")
+    return Request(rng.randbytes(scenario.n_hashes * scenario.hash_len), scenario.hash_len, scenario.token_len)
+
+
+def _baseline(scenario: Scenario, store: Any = None) -> Any:
+    return baselines.make_lookup(scenario.model_name, scenario.groups, scenario.layout, scenario.hash_block_size,
+                                 scenario.use_eagle, store)
+
+
+def count_keys(scenario: Scenario) -> int:
+    """Keys one lookup of a full request of ``scenario`` sends (without skip_tokens)."""
+    masks = _baseline(scenario).coord.lookup_mask(scenario.token_len)
+    total = 0
+    for grp, mask in zip(scenario.groups, masks):
+        scale = grp.spec.block_size // scenario.hash_block_size
+        chunks = min(scenario.n_hashes // scale, scenario.token_len // grp.spec.block_size)
+        total += chunks if mask is None else sum(mask[:chunks])
+    return total * scenario.namespaces
+
+
+# ------------------------------------------------------------------------------------ store
+def _keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
+    """The keys a lookup of ``token_len`` tokens of ``request`` sends. Built by mooncake_keys
+    when it has its compiled core (fast), else by the seed baseline: the two give the very same
+    strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
+    if token_len <= 0:
+        return []
+    if _core_c is not None:
+        eng = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
+                              hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
+                              store=StubStore([]), key_cache_bytes=0)
+        from mooncake_keys import engine as engine_mod
+
+        saved, engine_mod._core = engine_mod._core, _core_namespace("c")
+        try:
+            return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))
+        finally:
+            engine_mod._core = saved
+    return _baseline(scenario).candidate_keys(token_len, baselines.BlobBlockHashes(request.blob, request.hash_len))
+
+
+def _membership_answer(scenario: Scenario, request: Request) -> List[int]:
+    stored = set(_keys_of(scenario, request, scenario.present_token_len))
+    return [1 if k in stored else 0 for k in _keys_of(scenario, request, request.token_len)]
+
+
+def membership_answer(scenario: Scenario, request: Request, *, isolate: bool = False) -> List[int]:
+    """The ``batch_is_exist`` answer for ``request`` when the first ``scenario.present`` of the
+    prefix (every group, every namespace) is stored: the keys of that prefix go into a set, then
+    every key of the lookup is looked up in it.
+
+    ``isolate=True`` runs the pass in a forked child, so that the keys it builds do not raise
+    this process's peak RSS (for ``peakmem_`` benchmarks).
+    """
+    if not isolate or not hasattr(os, "fork"):
+        return _membership_answer(scenario, request)
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(_membership_answer, (scenario, request))
+
+
+class StubStore:
+    """``batch_is_exist`` returns ``answer`` (the same list object every time) after a length check."""
+
+    def __init__(self, answer: List[int]) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
+        self.calls += 1
+        if len(keys) != len(self.answer):
+            raise ValueError(f"StubStore: {len(keys)} keys asked, answer holds {len(self.answer)}")
+        return self.answer
+
+
+# ------------------------------------------------------------------------------------ impls
+def _core_namespace(impl: str) -> Any:
+    if impl == "c":
+        if _core_c is None:
+            raise NotImplementedError("mooncake_keys._core_c is not built: no compiled core to benchmark")
+        mod = _core_c
+    else:
+        mod = _core_py
+    return types.SimpleNamespace(fill_keys=mod.fill_keys, reduce_presence=mod.reduce_presence,
+                                 __name__=mod.__name__)
+
+
+class Impl:
+    """One implementation bound to one scenario and store, with a uniform call surface.
+
+    ``activate()`` / ``deactivate()`` point ``mooncake_keys.engine._core`` at this impl's core
+    (the engine reaches the core through that module global) and restore it; call them around
+    the timed code, outside the timer.
+    """
+
+    def __init__(self, impl: str, scenario: Scenario, store: Any,
+                 key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES) -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        self.name = impl
+        self.scenario = scenario
+        self.store = store
+        self._saved_core: Any = None
+        if impl in ("c", "py"):
+            self._core = _core_namespace(impl)
+            self.engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
+                                          hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
+                                          store=store, key_cache_bytes=key_cache_bytes)
+            self.baseline = None
+        else:
+            self._core = None
+            self.engine = None
+            self.baseline = baselines.make_lookup(scenario.model_name, scenario.groups, scenario.layout,
+                                                  scenario.hash_block_size, scenario.use_eagle, store, state=impl)
+
+    # -- core switch
+    def activate(self) -> "Impl":
+        if self._core is not None and self._saved_core is None:
+            from mooncake_keys import engine as engine_mod
+
+            self._saved_core = engine_mod._core
+            engine_mod._core = self._core
+        return self
+
+    def deactivate(self) -> None:
+        if self._saved_core is not None:
+            from mooncake_keys import engine as engine_mod
+
+            engine_mod._core = self._saved_core
+            self._saved_core = None
+
+    def __enter__(self) -> "Impl":
+        return self.activate()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.deactivate()
+
+    # -- calls: each wraps the request's blob as its lookup server would (a zero-copy view)
+    def lookup(self, req: Request) -> int:
+        if self.engine is not None:
+            return self.engine.lookup(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len))
+        return self.baseline(req.token_len, baselines.BlobBlockHashes(req.blob, req.hash_len))
+
+    def candidate_keys(self, req: Request, skip_tokens: int = 0) -> List[str]:
+        if self.engine is not None:
+            return self.engine.candidate_keys(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len),
+                                              skip_tokens=skip_tokens)
+        if skip_tokens:
+            raise NotImplementedError("vLLM's lookup has no skip_tokens")
+        return self.baseline.candidate_keys(req.token_len, baselines.BlobBlockHashes(req.blob, req.hash_len))
+
+    def forget_shapes(self) -> None:
+        """Clear the engine's per-shape caches (plan, lookup mask), as for a request of a new length.
+
+        Private attributes of mooncake_keys, reached defensively: absent ones are skipped.
+        """
+        eng = self.engine
+        if eng is None:
+            return
+        for owner, name in ((eng, "_plan"), (getattr(eng, "coordinator", None), "_lookup_mask")):
+            fn = getattr(owner, name, None)
+            clear = getattr(fn, "cache_clear", None)
+            if clear is not None:
+                clear()
+
+    def key_cache_hits(self) -> int:
+        """Chunk plus request hits of the engine's key cache so far (0 for the baselines)."""
+        if self.engine is None:
+            return 0
+        st = self.engine.key_cache.stats()
+        return getattr(st, "hits", 0) + getattr(st, "request_hits", 0)
+
+
+def build_impl(impl: str, scenario: Scenario, store: Any, key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES) -> Impl:
+    return Impl(impl, scenario, store, key_cache_bytes)
+
+
+# ------------------------------------------------------------------------------------ memo
+_MEMO: Dict[str, Any] = {}
+
+
+def memo(key: Any, build: Callable[[], Any]) -> Any:
+    """A one-entry cache: asv re-runs ``setup`` before every sample, and each parameter set runs
+    in its own process, so the expensive state of the current parameters is built once."""
+    if _MEMO.get("key") != key:
+        _MEMO.clear()
+        _MEMO["key"] = key
+        _MEMO["value"] = build()
+    return _MEMO["value"]
+
+
+@dataclass
+class Bench:
+    """The state of one parameterised lookup benchmark: scenario, impl, store, the warm request."""
+
+    scenario: Scenario
+    impl: Impl
+    store: Any
+    pool: List[Request]  # pool[0]: the warm request (and the one the stub's answer was made from)
+    answer: List[int]
+    issued: int = 0  # fresh requests made so far
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def fresh_request(self) -> Request:
+        """A request never made before in this process (request indices 1, 2, ...)."""
+        self.issued += 1
+        return make_request(self.scenario, self.issued)
+
+
+def lookup_bench(impl: str, scenario: Scenario, *, isolate: bool = False, answer: bool = True,
+                 key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES) -> Bench:
+    """Scenario state for ``impl``: engine or baseline on a stub store answering the stored prefix.
+
+    ``answer=False`` skips the store answer (key-building benchmarks: the stub then holds []).
+    """
+    first = make_request(scenario, 0)
+    ans = membership_answer(scenario, first, isolate=isolate) if answer else []
+    store = StubStore(ans)
+    return Bench(scenario, build_impl(impl, scenario, store, key_cache_bytes), store, [first], ans)
+
+
+def prime(b: Bench, call: Callable[[Request], Any], times: int = 2) -> Any:
+    """Run ``call`` on the warm request ``times`` times (the engine keeps a request on its
+    second sight) with the impl's core; return the last result."""
+    out = None
+    with b.impl:
+        for _ in range(times):
+            out = call(b.pool[0])
+    return out
+
+
+def _minor_faults() -> Optional[int]:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def burn_in(b: Bench, call: Callable[[Request], Any], *, settled_calls: int = 10, max_faults: int = 8,
+            max_seconds: float = 0.5) -> int:
+    """Run ``call`` on never-seen requests, untimed, until the allocator has settled.
+
+    Cold lookups can pay page faults: CPython's allocator unmaps an arena that a lookup's freed
+    keys left empty, and the next lookup maps and touches it again (~250 minor faults per lookup
+    of standard scenario (a), about +40 % time; ~500 for (b)). In a young process this goes on
+    for some hundreds of lookups, until long-lived objects pin the arenas; in some heap histories
+    it never stops. The cold benchmarks run this first, to measure the settled state when there
+    is one: until ``settled_calls`` calls in a row took at most ``max_faults`` minor faults
+    each, or for ``max_seconds`` (at least one call). Returns the number of calls made.
+    ``StandardColdFaults`` reports the faults per lookup that remain.
+    """
+    import time
+
+    end = time.perf_counter() + max_seconds
+    n = quiet = 0
+    with b.impl:
+        while True:
+            b.impl.forget_shapes()
+            req = b.fresh_request()
+            f0 = _minor_faults()
+            call(req)
+            f1 = _minor_faults()
+            n += 1
+            quiet = quiet + 1 if f0 is None or f1 - f0 <= max_faults else 0
+            if quiet >= settled_calls or time.perf_counter() >= end:
+                return n
+
+
+class BenchState:
+    """Base of the lookup benchmark classes. ``_enter`` (from ``setup``, which asv re-runs before
+    every sample) fetches the memoised :class:`Bench` of the current parameters into ``self.b``,
+    switches the engine's core, and picks ``self.req``, the request of the next timed call: for
+    "cold" a fresh one (and the engine forgets its per-shape caches), for "warm" the warm one.
+    ``_leave`` (from ``teardown``) restores the core."""
+
+    b: Bench
+    req: Request
+
+    def _enter(self, key: Any, build: Callable[[], Bench], mode: str = "cold") -> None:
+        self.b = memo(key, build)
+        if mode == "cold":
+            self.req = self.b.fresh_request()
+            self.b.impl.forget_shapes()
+        elif mode == "warm":
+            self.req = self.b.pool[0]
+        else:
+            raise ValueError(f"mode must be cold or warm, got {mode!r}")
+        self.b.impl.activate()
+
+    def _leave(self) -> None:
+        b = getattr(self, "b", None)
+        if b is not None:
+            b.impl.deactivate()

@@ -1,0 +1,193 @@
+"""The implementations side by side on the standard scenarios, in one process, without asv.
+
+    >>> from benchmarks.sidebyside import run_standard, format_table   # asv_bench/ on sys.path
+    >>> print(format_table(run_standard()))
+
+or ``python -m benchmarks.sidebyside`` from ``asv_bench/``. The module also loads by file path
+(``importlib.util.spec_from_file_location``), as a command that ships without asv would do.
+
+For every standard scenario (``common.STANDARD``) and mode (cold: requests the engine has never
+seen, made before the timer, plan caches cleared; warm: the same request again, in steady
+state) each implementation is timed in turn,
+interleaved round after round, so that a noisy machine slows all of them alike. A sample is a
+batch of lookups timed with ``time.perf_counter_ns`` (GC off, as ``timeit`` does); the figure kept
+is the minimum over ``repeat`` rounds. The store is ``common.StubStore``: only client-side work
+(key building, reduction, coordinator) is timed.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+try:
+    from . import common
+except ImportError:  # loaded by file path, not as a package: siblings under private names
+    import importlib.util
+    import os
+    import sys
+
+    _name = "_mooncake_keys_bench_common"
+    if _name not in sys.modules:
+        _spec = importlib.util.spec_from_file_location(
+            _name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+        sys.modules[_name] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules[_name])
+    common = sys.modules[_name]  # type: ignore[assignment]
+
+__all__ = ["run_standard", "format_table"]
+
+Progress = Optional[Callable[[str], Any]]
+
+
+def _available(impls: Sequence[str]) -> List[str]:
+    out = []
+    for impl in impls:
+        if impl == "c" and common._core_c is None:
+            continue  # no compiled core: no "c" rows
+        out.append(impl)
+    return out
+
+
+def _minor_faults() -> int:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _sample_ns(runner: "common.Impl", reqs: Sequence["common.Request"], cold: bool) -> Tuple[int, int]:
+    """Wall time of one batch of lookups in ns, and the minor page faults it took.
+
+    The core switch stays outside the timer; for cold lookups so does forgetting the shapes
+    (each call is timed on its own)."""
+    lookup, forget = runner.lookup, runner.forget_shapes
+    runner.activate()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        faults = _minor_faults()
+        if cold:
+            clock = time.perf_counter_ns
+            total = 0
+            for req in reqs:
+                forget()
+                t0 = clock()
+                lookup(req)
+                total += clock() - t0
+            return total, _minor_faults() - faults
+        t0 = time.perf_counter_ns()
+        for req in reqs:
+            lookup(req)
+        total = time.perf_counter_ns() - t0
+        return total, _minor_faults() - faults
+    finally:
+        if gc_was:
+            gc.enable()
+        runner.deactivate()
+
+
+def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[str] = tuple(common.IMPLS),
+                 scenarios: Sequence[str] = tuple(common.STANDARD), modes: Sequence[str] = ("cold", "warm"),
+                 sample_ms: float = 20.0, max_batch: int = 50) -> List[Dict[str, Any]]:
+    """Time each impl on the standard scenarios, cold and warm; one row per (scenario, mode, impl).
+
+    Row fields: ``scenario``, ``mode``, ``impl``, ``keys`` (keys sent per lookup), ``ns_per_lookup``,
+    ``ns_per_key``, ``lookups_per_s``, ``ratio_vs_seed`` and ``ratio_vs_pre`` (this impl's time over
+    the baseline's: below 1 is faster; None when that baseline was not run), ``hit`` (tokens),
+    ``faults_per_lookup`` (minor page faults per lookup in the kept sample: a young process's
+    allocator maps fresh memory for a while, which makes cold lookups slower; see
+    ``common.burn_in``).
+    ``sample_ms`` is the target length of one timed batch (at most ``max_batch`` lookups).
+    ``progress`` (if given) is called with a short text after each scenario is prepared and
+    after each round. Raises RuntimeError if the implementations disagree on a hit, or if a cold
+    lookup was served by the engine's key cache.
+    """
+    impls = _available(impls)
+    rows: List[Dict[str, Any]] = []
+    for sname in scenarios:
+        sc = common.STANDARD[sname]
+        first = common.make_request(sc, 0)
+        store = common.StubStore(common.membership_answer(sc, first))
+        runners = {impl: common.build_impl(impl, sc, store) for impl in impls}
+        keys = len(store.answer)
+        hits = {}
+        for impl, runner in runners.items():  # twice: the engine keeps a request on its second sight
+            with runner:
+                hits[impl] = [runner.lookup(first) for _ in range(2)][-1]
+        if len(set(hits.values())) != 1:
+            raise RuntimeError(f"scenario {sname}: implementations disagree on the hit: {hits}")
+        # Batch sizes from one warm calibration lookup each (a cold lookup is slower: fewer calls).
+        batch: Dict[tuple, int] = {}
+        for mode in modes:
+            for impl, runner in runners.items():
+                t = _sample_ns(runner, [first], cold=False)[0]
+                batch[(mode, impl)] = max(1, min(max_batch, int(sample_ms * 1e6 / max(t, 1))))
+        n_cold = max((batch[("cold", i)] for i in impls), default=0) if "cold" in modes else 0
+        if progress:
+            progress(f"scenario {sname}: {keys} keys per lookup")
+        best: Dict[tuple, float] = {k: math.inf for k in batch}
+        faults: Dict[tuple, float] = {k: 0.0 for k in batch}
+        issued = 0
+        for rnd in range(repeat):
+            # Cold: never-seen requests, made before the timer; the same ones for every impl
+            # (each engine sees each of them once).
+            fresh = [common.make_request(sc, issued + 1 + i) for i in range(n_cold)]
+            issued += n_cold
+            for mode in modes:
+                for impl, runner in runners.items():
+                    n = batch[(mode, impl)]
+                    if mode == "cold":
+                        hits_before = runner.key_cache_hits()
+                        ns, flt = _sample_ns(runner, fresh[:n], cold=True)
+                        if runner.key_cache_hits() != hits_before:
+                            raise RuntimeError(f"scenario {sname}: a cold {impl} lookup hit the key cache")
+                    else:
+                        ns, flt = _sample_ns(runner, [first] * n, cold=False)
+                    if ns / n < best[(mode, impl)]:
+                        best[(mode, impl)] = ns / n
+                        faults[(mode, impl)] = flt / n
+            if progress:
+                progress(f"scenario {sname}: round {rnd + 1}/{repeat}")
+        for mode in modes:
+            for impl in impls:
+                ns = best[(mode, impl)]
+                seed_ns = best.get((mode, "seed"))
+                pre_ns = best.get((mode, "pre"))
+                rows.append(dict(
+                    scenario=sname, mode=mode, impl=impl, keys=keys,
+                    ns_per_lookup=ns, ns_per_key=ns / keys if keys else math.nan,
+                    lookups_per_s=1e9 / ns if ns else math.inf,
+                    ratio_vs_seed=ns / seed_ns if seed_ns else None,
+                    ratio_vs_pre=ns / pre_ns if pre_ns else None,
+                    hit=hits[impl], faults_per_lookup=faults[(mode, impl)],
+                ))
+    return rows
+
+
+def format_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """The rows as a fixed-width text table."""
+    head = f"{'scenario':8} {'mode':5} {'impl':5} {'keys':>7} {'us/lookup':>10} {'ns/key':>8} " \
+           f"{'lookups/s':>10} {'vs seed':>8} {'vs pre':>8} {'faults':>7}"
+    lines = [head, "-" * len(head)]
+
+    def ratio(x: Optional[float]) -> str:
+        return f"{x:8.3f}" if x is not None else f"{'-':>8}"
+
+    for r in rows:
+        lines.append(f"{r['scenario']:8} {r['mode']:5} {r['impl']:5} {r['keys']:7d} {r['ns_per_lookup'] / 1e3:10.1f} "
+                     f"{r['ns_per_key']:8.1f} {r['lookups_per_s']:10.1f} {ratio(r['ratio_vs_seed'])} "
+                     f"{ratio(r['ratio_vs_pre'])} {r.get('faults_per_lookup', 0):7.1f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys as _sys
+
+    t0 = time.perf_counter()
+    table = format_table(run_standard(progress=lambda s: print(s, file=_sys.stderr)))
+    print(table)
+    print(f"({time.perf_counter() - t0:.1f} s)", file=_sys.stderr)
