@@ -17,7 +17,8 @@ reported in their own buckets instead of as failures:
   counts the missing chunks as absent instead. The scheduler never asks for more tokens than
   the request's hashes cover;
 * ``eagle-flag-without-use_eagle``: groups flagged ``is_eagle_group`` while ``use_eagle`` is
-  False (spec 7.2 read literally counts the flag; mooncake_keys ignores it).
+  False. Spec 7.2 read literally counts the flag, and so do the baselines and (since this check
+  found the difference) mooncake_keys; a case lands here only when something else differs.
 
 Also checked: the stub answers of the benchmark scenarios are the same for every request of a
 scenario (the positional assumption ``common.StubStore`` relies on), and ``--dup`` probes

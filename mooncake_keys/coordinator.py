@@ -93,11 +93,11 @@ class Coordinator:
         self.lcm_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.use_eagle = use_eagle
+        # Flagged groups count as EAGLE groups; with use_eagle and none flagged, all do.
         flagged = {g for g, grp in enumerate(self.groups) if grp.is_eagle_group}
-        if use_eagle:
-            self.eagle_group_ids = frozenset(flagged or range(len(self.groups)))
-        else:
-            self.eagle_group_ids = frozenset()
+        if use_eagle and not flagged:
+            flagged = set(range(len(self.groups)))
+        self.eagle_group_ids = frozenset(flagged)
         # Attention groups: equal specs merge, full attention first (stable).
         merged: List[Tuple[KVCacheSpec, List[int]]] = []
         for g, grp in enumerate(self.groups):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -54,9 +55,9 @@ class _GroupPlan:
     """What one lookup asks of one group (all counts in chunks of that group)."""
 
     num_chunks: int  # token_len // block_size: the length of the presence array
-    asked: Union[range, Tuple[int, ...]]  # chunk ids to ask, in order
+    asked: Union[range, array]  # chunk ids to ask, in order
     index: array  # hash index (into the request's hashes) of each asked chunk
-    presumed: Union[range, Tuple[int, ...]]  # chunk ids below skip_tokens, counted present
+    presumed: Union[range, array]  # chunk ids below skip_tokens, counted present
 
 
 class LookupEngine:
@@ -141,6 +142,7 @@ class LookupEngine:
         self.key_cache = KeyCache(len(groups), key_cache_bytes)
         self._entry_sizes: dict = {}
         self._plan = lru_cache(maxsize=256)(self._compute_plan)
+        self._chunk_tables: List[Any] = [None] * len(groups)
         self._stats_lock = threading.Lock()
         self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
 
@@ -150,23 +152,40 @@ class LookupEngine:
         return len(self.namespaces)
 
     # --------------------------------------------------------------------------- planning
+    def _chunk_table(self, g: int, num_chunks: int) -> Tuple[Optional[array], array]:
+        """Group ``g``'s lookup-mask positions (None: every chunk) and their hash indices,
+        covering at least chunks ``< num_chunks``; grown by doubling, so a plan is slices."""
+        table = self._chunk_tables[g]
+        if table is not None and table[2] >= num_chunks:
+            return table[0], table[1]
+        bs = self.groups[g].spec.block_size
+        cap = max(num_chunks, 2 * (table[2] if table else 0), 256)
+        lcm_bs = self.scheduler_block_size
+        token_len = -(-cap * bs // lcm_bs) * lcm_bs
+        mask = self.coordinator.lookup_mask(token_len)[g]
+        cap = token_len // bs
+        scale = bs // self.hash_block_size
+        positions = None if mask is None else array("q", [j for j in range(cap) if mask[j]])
+        index = array("q", range(scale - 1, cap * scale, scale))
+        if positions is not None:
+            index = array("q", [index[j] for j in positions])
+        self._chunk_tables[g] = (positions, index, cap)
+        return positions, index
+
     def _compute_plan(self, token_len: int, num_hashes: int, skip_tokens: int) -> Tuple[_GroupPlan, ...]:
-        masks = self.coordinator.lookup_mask(token_len)
+        self.coordinator.lookup_mask(token_len)  # validates token_len
         plans = []
-        for grp, mask in zip(self.groups, masks):
+        for g, grp in enumerate(self.groups):
             bs = grp.spec.block_size
-            scale = bs // self.hash_block_size
             num_chunks = token_len // bs
-            have = min(num_chunks, num_hashes // scale)  # chunks with a hash
+            have = min(num_chunks, num_hashes // (bs // self.hash_block_size))  # chunks with a hash
             skip = min(skip_tokens // bs, have)  # chunks wholly below skip_tokens
-            if mask is None:
-                asked: Union[range, Tuple[int, ...]] = range(skip, have)
-                presumed: Union[range, Tuple[int, ...]] = range(skip)
-            else:
-                asked = tuple(j for j in range(skip, have) if mask[j])
-                presumed = tuple(j for j in range(skip) if mask[j])
-            index = array("q", [j * scale + scale - 1 for j in asked])
-            plans.append(_GroupPlan(num_chunks, asked, index, presumed))
+            positions, index = self._chunk_table(g, num_chunks)
+            if positions is None:
+                plans.append(_GroupPlan(num_chunks, range(skip, have), index[skip:have], range(skip)))
+                continue
+            lo, hi = bisect_left(positions, skip), bisect_left(positions, have)
+            plans.append(_GroupPlan(num_chunks, positions[lo:hi], index[lo:hi], positions[:lo]))
         return tuple(plans)
 
     def _prepare(

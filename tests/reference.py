@@ -40,7 +40,7 @@ class RefCoordinator:
         self.lcm = lcm_bs
         self.hash_bs = hash_bs
         flagged = [i for i, f in enumerate(eagle_flags) if f]
-        self.eagle_ids = set((flagged or list(range(len(specs))))) if use_eagle else set()
+        self.eagle_ids = set(flagged or (list(range(len(specs))) if use_eagle else []))
         attn = []
         for g, s in enumerate(specs):
             for a in attn:
