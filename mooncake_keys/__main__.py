@@ -28,7 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0
     from .bench import run_bench
 
-    return run_bench(repeat=args.repeat, plot=args.plot)
+    return run_bench(repeat=args.repeat, plot_path=args.plot)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,150 @@
+"""``mooncake_keys bench``: the standard scenarios side by side with vLLM's approaches.
+
+The baselines (``seed``: vLLM PR #46188; ``pre``: the code before it) live in the benchmark
+suite, not in the library, so this command needs a source checkout (``asv_bench/`` next to the
+package). It prints a table (ns per key, lookups/s, ratio to ``seed``), the geometric means
+over the three standard scenarios, and writes a PNG plot of ns per key against keys per lookup.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+IMPLS = ("c", "py", "seed", "pre")
+SWEEP_HASHES = (256, 1024, 4096, 16384)  # x 8 namespaces: 2k .. 131k keys per lookup
+
+
+def _suite_dir() -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "asv_bench", "benchmarks")
+    return path if os.path.isfile(os.path.join(path, "sidebyside.py")) else None
+
+
+def _load(path: str, name: str) -> Any:
+    full = f"_mooncake_keys_bench_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, os.path.join(path, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+class _Bar:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def step(self, text: str) -> None:
+        self.done = min(self.done + 1, self.total)
+        width = 30
+        fill = int(width * self.done / self.total)
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                         f"{time.perf_counter() - self.t0:5.1f}s {text[:40]:40}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
+
+
+def summarise(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """Geometric-mean speed-ups over the standard scenarios, per mode and implementation."""
+    lines = []
+    for mode in ("cold", "warm"):
+        for impl in IMPLS[:2]:
+            ratios = [r["ratio_vs_seed"] for r in rows if r["mode"] == mode and r["impl"] == impl and r["ratio_vs_seed"]]
+            ratios_pre = [r["ratio_vs_pre"] for r in rows if r["mode"] == mode and r["impl"] == impl and r["ratio_vs_pre"]]
+            if ratios:
+                lines.append(f"{mode:4} {impl:2}: {1 / _geomean(ratios):5.1f}x faster than seed, "
+                             f"{1 / _geomean(ratios_pre):5.1f}x faster than pre (geometric mean of a, b, c)")
+    return lines
+
+
+def sweep(common: Any, sidebyside: Any, repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
+    """Cold ns per key against keys per lookup, Full(64) on 8 namespaces, for each impl."""
+    out: Dict[str, List[tuple]] = {impl: [] for impl in IMPLS}
+    impls = [i for i in IMPLS if i != "c" or common._core_c is not None]
+    for n in SWEEP_HASHES:
+        sc = common.grid_scenario(n, 8, "full", 32)
+        first = common.make_request(sc, 0)
+        store = common.StubStore(common.membership_answer(sc, first))
+        runners = {impl: common.build_impl(impl, sc, store) for impl in impls}
+        keys = len(store.answer)
+        best = {impl: math.inf for impl in impls}
+        for rnd in range(repeat):
+            reqs = [common.make_request(sc, 1 + rnd * 4 + i) for i in range(3 if n <= 4096 else 1)]
+            for impl, runner in runners.items():
+                ns, _ = sidebyside._sample_ns(runner, reqs, cold=True)
+                best[impl] = min(best[impl], ns / len(reqs))
+        for impl in impls:
+            out[impl].append((keys, best[impl] / keys))
+        bar.step(f"sweep: {keys} keys per lookup")
+    return out
+
+
+def plot(points: Dict[str, List[tuple]], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    styles = {"c": "o-", "py": "s-", "seed": "^--", "pre": "v--"}
+    names = {"c": "mooncake_keys (compiled)", "py": "mooncake_keys (pure Python)",
+             "seed": "vLLM #46188 (seed)", "pre": "vLLM before #46188 (pre)"}
+    for impl, pts in points.items():
+        if pts:
+            ax.plot([k for k, _ in pts], [v for _, v in pts], styles[impl], label=names[impl])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("keys per lookup (Full(64), 8 namespaces, 32-byte hashes)")
+    ax.set_ylabel("client-side ns per key (cold)")
+    ax.set_title("Lookup cost per key, stub store, one run side by side")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png", out=print) -> int:
+    suite = _suite_dir()
+    if suite is None:
+        out("mooncake_keys bench needs a source checkout: the baselines live in asv_bench/benchmarks/")
+        return 2
+    common = _load(suite, "common")
+    sidebyside = _load(suite, "sidebyside")
+    from . import _core
+
+    out(f"core: {'compiled' if _core.ACCELERATED else 'pure Python'}; stub store (client-side work only); "
+        f"min of {repeat} rounds, implementations interleaved")
+    bar = _Bar(3 * (repeat + 1) + len(SWEEP_HASHES))
+    t0 = time.perf_counter()
+    rows = sidebyside.run_standard(repeat=repeat, progress=bar.step)
+    points = sweep(common, sidebyside, max(2, repeat // 2), bar)
+    bar.close()
+    out(sidebyside.format_table(rows))
+    out("ratios: this implementation's time / seed's (below 1 is faster)")
+    for line in summarise(rows):
+        out(line)
+    out("cold ns per key by keys per lookup: " + "; ".join(
+        f"{impl} " + ", ".join(f"{k}:{v:.0f}" for k, v in pts) for impl, pts in points.items() if pts))
+    if plot_path:
+        written = plot(points, plot_path)
+        out(f"plot: {written}" if written else "plot: matplotlib is not installed (pip install matplotlib)")
+    out(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
