@@ -27,6 +27,42 @@ cdef extern from "Python.h":
     Py_ssize_t PyUnicode_CopyCharacters(object to, Py_ssize_t to_start, object from_,
                                         Py_ssize_t from_start, Py_ssize_t how_many) except -1
     long PyLong_AsLongAndOverflow(object o, int* overflow) except? -1
+    bint PyUnicode_CheckExact(PyObject* o)
+    Py_ssize_t Py_REFCNT(PyObject* o)
+    unsigned int PyUnicode_CHECK_INTERNED(PyObject* o)
+    ctypedef struct PyASCIIObject:
+        Py_ssize_t hash
+
+
+cdef inline object _recycled_key(list spare, Py_ssize_t* left, object head, const unsigned char* hexed,
+                                 Py_ssize_t hex_len):
+    """A str of the previous lookup that nothing else references, rewritten to this key; or None.
+
+    A str held only by the spare list (reference count 1) is invisible to everyone else, so
+    writing new characters into it is unobservable (CPython's own in-place concatenation relies
+    on the same fact). Its cached hash is reset. Saves an allocation, a free and the page faults
+    that freeing whole arenas back to the OS causes.
+    """
+    cdef PyObject* s
+    cdef Py_ssize_t hl = PyUnicode_GET_LENGTH(head)
+    cdef unsigned char* dst
+    cdef object taken
+    while left[0] > 0:
+        left[0] -= 1
+        s = PyList_GET_ITEM(spare, left[0])
+        if (Py_REFCNT(s) != 1 or not PyUnicode_CheckExact(s) or PyUnicode_CHECK_INTERNED(s)
+                or not PyUnicode_IS_ASCII(<object>s) or PyUnicode_GET_LENGTH(<object>s) != hl + hex_len):
+            continue
+        taken = <object>s  # a new reference: the str now has two, ours and the list's
+        Py_INCREF(None)
+        PyList_SET_ITEM(spare, left[0], None)
+        Py_DECREF(taken)  # the list's reference: ours is the only one left
+        dst = <unsigned char*>PyUnicode_DATA(taken)
+        memcpy(dst, PyUnicode_DATA(head), hl)
+        memcpy(dst + hl, hexed, hex_len)
+        (<PyASCIIObject*>s).hash = -1
+        return taken
+    return None
 
 
 cdef const char* HEXDIGITS = b"0123456789abcdef"
@@ -81,7 +117,7 @@ cdef inline void _put(list out, Py_ssize_t i, object s):
 
 def fill_keys(list out, Py_ssize_t pos, tuple heads, const unsigned char[::1] blob,
               Py_ssize_t hash_len, const long long[::1] index, dict young=None, dict old=None,
-              bint insert=True):
+              bint insert=True, list spare=None):
     """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(pos, hits, added)``.
 
     See ``_core_py.fill_keys`` for the contract; this one is the same, compiled.
@@ -95,6 +131,8 @@ def fill_keys(list out, Py_ssize_t pos, tuple heads, const unsigned char[::1] bl
     cdef PyObject* hit
     cdef object entry, hb, key
     cdef bint probing = young is not None
+    cdef Py_ssize_t left = len(spare) if spare is not None else 0
+    cdef object recycled
     if n == 0 or r == 0:
         return pos, 0, 0
     if pos < 0 or pos + n * r > PyList_GET_SIZE(out):
@@ -132,6 +170,12 @@ def fill_keys(list out, Py_ssize_t pos, tuple heads, const unsigned char[::1] bl
             _hexlify(h, hash_len, hexed)
             if not probing:
                 for j in range(r):
+                    if left:
+                        recycled = _recycled_key(spare, &left, heads[j], hexed, 2 * hash_len)
+                        if recycled is not None:
+                            _put(out, pos, recycled)
+                            pos += 1
+                            continue
                     _put(out, pos, _make_key(heads[j], hexed, 2 * hash_len))
                     pos += 1
                 continue

@@ -24,6 +24,7 @@ def fill_keys(
     young: Optional[dict] = None,
     old: Optional[dict] = None,
     insert: bool = True,
+    spare: Optional[list] = None,
 ) -> tuple:
     """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return ``(pos, hits, added)``.
 
@@ -33,7 +34,9 @@ def fill_keys(
     tuples are reused and a hit in ``old`` is promoted into ``young``; built tuples are added to
     ``young`` when ``insert``, otherwise probing stops at the first miss (a cached prefix) and
     the rest is built without the cache. ``hits`` counts hashes served from the dicts,
-    ``added`` the tuples put into ``young`` (built or promoted).
+    ``added`` the tuples put into ``young`` (built or promoted). ``spare`` holds the key
+    strings of a previous lookup: the compiled core rewrites those nothing else references
+    instead of allocating new ones (keys that are not cached); pure Python cannot, and ignores it.
     """
     heads = tuple(heads)
     r = len(heads)

@@ -143,6 +143,9 @@ class LookupEngine:
         self._entry_sizes: dict = {}
         self._plan = lru_cache(maxsize=256)(self._compute_plan)
         self._chunk_tables: List[Any] = [None] * len(groups)
+        self._spare: Optional[List[str]] = None
+        # Keys of one lookup kept for reuse: within a quarter of the key-cache budget.
+        self._spare_keys = key_cache_bytes // 4 // (len(self._heads[0][0]) + 64 + 49 + 8) if self._heads[0] else 0
         self._stats_lock = threading.Lock()
         self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
 
@@ -205,7 +208,10 @@ class LookupEngine:
             )
         return hashes, self._plan(token_len, len(hashes), skip_tokens)
 
-    def _build_keys(self, hashes: BlockHashes, plans: Tuple[_GroupPlan, ...], memo_key: Any = None) -> List[str]:
+    def _build_keys(
+        self, hashes: BlockHashes, plans: Tuple[_GroupPlan, ...], memo_key: Any = None
+    ) -> Tuple[List[str], bool]:
+        """The keys of a lookup, and whether its strings are its own (not shared with a cache)."""
         cache = self.key_cache
         blob, hash_len = hashes.blob, hashes.hash_len
         repeat = False
@@ -216,14 +222,15 @@ class LookupEngine:
             memo_key = (memo_key, hash_len, len(hashes), blob_bytes[-hash_len:])
             keys = cache.request_get(memo_key, blob_bytes)
             if keys is not None:
-                return keys
+                return keys, False
             repeat = cache.request_seen(memo_key)
         r = len(self.namespaces)
         total = r * sum(len(p.asked) for p in plans)
         keys = [None] * total  # type: ignore[list-item]
         if not total:
-            return keys
+            return keys, False
         use_chunks = cache.enabled and r > 1  # one namespace: building beats looking up
+        spare, self._spare = self._spare, None  # the last lookup's keys: strings to rewrite
         pos = 0
         key_bytes = 0
         for g, plan in enumerate(plans):
@@ -233,14 +240,15 @@ class LookupEngine:
                 # First sight: reuse the cached prefix only; a repeat: cache every chunk.
                 young, old = cache.dicts(g)
                 pos, hits, added = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len,
-                                                   plan.index, young, old, repeat)
+                                                   plan.index, young, old, repeat, spare)
                 cache.record(len(plan.asked), hits, added, self._entry_bytes(g, hash_len))
             else:
-                pos = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len, plan.index)[0]
+                pos = _core.fill_keys(keys, pos, self._heads[g], blob, hash_len, plan.index,
+                                      None, None, True, spare)[0]
             key_bytes += len(plan.asked) * self._entry_bytes(g, hash_len)
         if repeat:
             cache.request_put(memo_key, blob_bytes, keys, key_bytes)
-        return keys
+        return keys, not repeat  # strings of a first sight are the lookup's own
 
     def _entry_bytes(self, group: int, hash_len: int) -> int:
         size = self._entry_sizes.get((group, hash_len))
@@ -256,7 +264,7 @@ class LookupEngine:
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
             return []
-        return self._build_keys(*prepared, memo_key=(token_len, skip_tokens))
+        return self._build_keys(*prepared, memo_key=(token_len, skip_tokens))[0]
 
     def lookup(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
         """Hit length in tokens (0 .. ``token_len``) of the longest usable stored prefix.
@@ -271,9 +279,14 @@ class LookupEngine:
             self._count(0, 0, 0)
             return 0
         hashes, plans = prepared
-        keys = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
+        keys, own = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
         if keys:
             flags = self._ask(keys)
+            if own and len(keys) <= self._spare_keys:
+                # Keep the strings: the next lookup rewrites those nobody else references
+                # instead of freeing them now and allocating (and page-faulting) new ones.
+                # A private copy of the list: a store may keep the one it was given.
+                self._spare = list(keys)
             if flags is None:
                 self._count(len(keys), 1, 0)
                 return 0

@@ -19,10 +19,10 @@ install_system() {
   fi
 }
 
-install_python() {
+install_python() {  # $1: the extras to install
   # torch 2.13.0 is the CPU build on this machine's disk; other versions pull gigabytes.
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
-  MOONCAKE_KEYS_FORCE_EXTENSIONS=1 "$PY" -m pip install -q --disable-pip-version-check -e ".[mooncake,test,bench]"
+  MOONCAKE_KEYS_FORCE_EXTENSIONS=1 "$PY" -m pip install -q --disable-pip-version-check -e ".[$1]"
 }
 
 run_pytest() {
@@ -44,7 +44,7 @@ no_master_left() {  # $1: the masters that were running before the suite
 
 cmd_test() {
   install_system
-  install_python
+  install_python mooncake,test
   echo "== 1/2: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
   local before; before=$(masters)
@@ -68,13 +68,13 @@ cmd_test() {
 
 cmd_demo() {
   install_system
-  install_python
+  install_python mooncake
   "$PY" -m mooncake_keys demo "$@"
 }
 
 cmd_bench() {
   install_system
-  install_python
+  install_python mooncake,bench
   "$PY" -m mooncake_keys bench "$@"
 }
 
@@ -82,6 +82,6 @@ case "${1:-}" in
   test) shift; cmd_test "$@" ;;
   demo) shift; cmd_demo "$@" ;;
   bench) shift; cmd_bench "$@" ;;
-  install) install_system; install_python ;;
+  install) install_system; install_python mooncake,test,bench ;;
   *) echo "usage: bash scripts/dev.sh {demo|test|bench|install}" >&2; exit 2 ;;
 esac

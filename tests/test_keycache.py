@@ -93,3 +93,72 @@ def test_bad_budget():
         make(-1)
     with pytest.raises(TypeError, match="key_cache_bytes"):
         make(1.5)
+
+
+class RetainingStore:
+    """Keeps every other key list it is given (the list itself), and always its first string,
+    with snapshots of their contents."""
+
+    def __init__(self):
+        self.kept = []
+        self.firsts = []
+
+    def batch_is_exist(self, keys):
+        if len(self.firsts) % 2 == 0:
+            self.kept.append((keys, [k.encode() for k in keys]))
+        self.firsts.append((keys[0], keys[0].encode()))
+        return [0] * len(keys)
+
+
+def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
+    """The compiled core rewrites the last lookup's key strings that nothing else references.
+    A store that keeps the lists (or single strings) it was given must never see them change."""
+    store = RetainingStore()
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store)
+    held = []
+    for seed in range(12):
+        hs = hashes(100 + seed, 8)
+        want = make(0).candidate_keys(128, hs)
+        if seed % 3 == 0:
+            held.append((e.candidate_keys(128, hs), list(want)))  # a caller keeping its keys
+        assert e.lookup(128, hs) == 0
+        assert store.firsts[-1][0] == want[0]
+    assert len(store.kept) == 6 and len(store.firsts) == 12
+    for keys, snapshot in store.kept:
+        assert [k.encode() for k in keys] == snapshot
+    for key, snapshot in store.firsts:
+        assert key.encode() == snapshot
+    for keys, want in held:
+        assert keys == want
+
+
+def test_recycled_strings_hash_like_fresh_ones(impl):
+    store = mk.MemoryStore()
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store)
+    for seed in range(6):
+        hs = hashes(200 + seed, 8)
+        want = make(0).candidate_keys(128, hs)
+        for k in want[:5]:
+            store.put(k)  # MemoryStore hashes every key it is asked about (dict lookup)
+        assert e.lookup(128, hs) == 16 * 1  # chunk 0 in all 4 namespaces, then chunk 1 partly
+        assert set(store.keys()) >= set(want[:5])
+
+
+def test_the_compiled_core_rewrites_the_previous_lookups_strings(impl):
+    seen = []
+
+    class IdStore:
+        def batch_is_exist(self, keys):
+            seen.append(([id(k) for k in keys], [k.encode() for k in keys]))  # no references kept
+            return [0] * len(keys)
+
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=IdStore())
+    e.lookup(128, hashes(300))
+    spare_ids = {id(k) for k in e._spare}  # alive until the next lookup rewrites them
+    e.lookup(128, hashes(301))
+    reused = spare_ids & set(seen[1][0])
+    assert seen[1][1] == [k.encode() for k in make(0).candidate_keys(128, hashes(301))]
+    if impl.__name__.endswith("_core_c"):
+        assert len(reused) == 32  # every string of the first lookup, rewritten
+    else:
+        assert not reused  # pure Python cannot rewrite a str
