@@ -11,6 +11,7 @@ from typing import Any, Iterator, Sequence, Union, overload
 __all__ = ["BlockHashes", "as_block_hashes"]
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+_FAST_TYPES = {bytes, bytearray}
 
 
 def _byte_view(blob: Any, name: str) -> memoryview:
@@ -53,7 +54,19 @@ class BlockHashes(Sequence[bytes]):
         if isinstance(hashes, (str, bytes, bytearray, memoryview)):
             raise TypeError("block_hashes must be a sequence of bytes-like hashes, not a single "
                             f"{type(hashes).__name__}")
-        views = []
+        if not isinstance(hashes, (list, tuple)):
+            try:
+                hashes = list(hashes)  # any sequence or iterable, read once
+            except TypeError:
+                raise TypeError("block_hashes must be a sequence of bytes-like hashes, "
+                                f"got {type(hashes).__name__}") from None
+        # The common case, at C speed: bytes (or bytearray) hashes of one non-zero length.
+        kinds = set(map(type, hashes))
+        if kinds and kinds <= _FAST_TYPES:
+            lens = set(map(len, hashes))
+            if len(lens) == 1 and 0 not in lens:
+                return cls(b"".join(hashes), lens.pop())
+        views = []  # the general case, which also names the first bad hash
         hash_len = -1
         for i, h in enumerate(hashes):
             if not isinstance(h, _BYTES_LIKE):

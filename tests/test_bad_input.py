@@ -204,3 +204,15 @@ def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store)
     f.lookup(64, HS)
     assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32)
     assert f.stats() == mk.LookupStats(lookups=1, store_calls=1, store_failures=1, keys_sent=4, hit_tokens=0)
+
+
+def test_hashes_from_any_iterable_are_read_once(impl, recording_store):
+    st = recording_store(lambda keys: [1] * len(keys))
+    e = make(st)
+    assert e.lookup(64, iter(HS)) == 64
+    assert e.lookup(64, (h for h in HS)) == 64
+    assert e.lookup(64, [bytearray(h) for h in HS]) == 64
+    assert e.lookup(64, [memoryview(h) for h in HS]) == 64
+    assert len(st.calls) == 4 and all(c == st.calls[0] for c in st.calls)
+    with pytest.raises(TypeError, match="block_hashes"):
+        mk.BlockHashes.from_list(None)
