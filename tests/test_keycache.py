@@ -162,3 +162,40 @@ def test_the_compiled_core_rewrites_the_previous_lookups_strings(impl):
         assert len(reused) == 32  # every string of the first lookup, rewritten
     else:
         assert not reused  # pure Python cannot rewrite a str
+
+
+def test_concurrent_lookups_agree_with_serial_ones(impl):
+    import threading
+
+    store = mk.MemoryStore()
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16), mk.SlidingWindowSpec(16, 32)], LAYOUT,
+                        hash_block_size=16, store=store, key_cache_bytes=200_000)
+    reqs = [hashes(400 + i % 9, 8 + i % 5) for i in range(40)]
+    serial = mk.LookupEngine("m", [mk.FullAttentionSpec(16), mk.SlidingWindowSpec(16, 32)], LAYOUT,
+                             hash_block_size=16, store=store, key_cache_bytes=0)
+    for i, hs in enumerate(reqs[:9]):  # a prefix of (i + 1) chunks, in every group and namespace
+        for k in serial.candidate_keys(len(hs) * 16, hs):
+            if "@group:1@" in k or k in serial.candidate_keys(16 * (i + 1), hs):
+                store.put(k)
+    want = [serial.lookup(len(hs) * 16, hs) for hs in reqs]
+    got = {}
+    errors = []
+
+    def worker(t):
+        try:
+            for rep in range(5):
+                for i, hs in enumerate(reqs):
+                    h = e.lookup(len(hs) * 16, hs)
+                    if h != want[i]:
+                        errors.append((t, rep, i, h, want[i]))
+                    got[(t, i)] = h
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:3]
+    assert len(got) == 4 * len(reqs) and any(want)
