@@ -70,7 +70,7 @@ DEFAULT_RPC_TIMEOUT_MS = 2000
 #: Seconds between TCP probes of the master's RPC port (0 or None: no probe). The client's own
 #: ping notices a dead master after 1-5 s, and every call stalls ~4.3 s until it does; a refused
 #: connection on the master's port tells within one interval.
-DEFAULT_PROBE_INTERVAL_S = 0.2
+DEFAULT_PROBE_INTERVAL_S = 0.05
 
 #: ``ErrorCode::RPC_FAIL``: the master could not be reached for this call.
 RPC_FAIL = -900
