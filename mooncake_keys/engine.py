@@ -210,8 +210,8 @@ class LookupEngine:
 
     def _build_keys(
         self, hashes: BlockHashes, plans: Tuple[_GroupPlan, ...], memo_key: Any = None
-    ) -> Tuple[List[str], bool]:
-        """The keys of a lookup, and whether its strings are its own (not shared with a cache)."""
+    ) -> List[str]:
+        """The keys of a lookup, group -> chunk -> namespace."""
         cache = self.key_cache
         blob, hash_len = hashes.blob, hashes.hash_len
         repeat = False
@@ -222,13 +222,13 @@ class LookupEngine:
             memo_key = (memo_key, hash_len, len(hashes), blob_bytes[-hash_len:])
             keys = cache.request_get(memo_key, blob_bytes)
             if keys is not None:
-                return keys, False
+                return keys
             repeat = cache.request_seen(memo_key)
         r = len(self.namespaces)
         total = r * sum(len(p.asked) for p in plans)
         keys = [None] * total  # type: ignore[list-item]
         if not total:
-            return keys, False
+            return keys
         use_chunks = cache.enabled and r > 1  # one namespace: building beats looking up
         spare, self._spare = self._spare, None  # the last lookup's keys: strings to rewrite
         pos = 0
@@ -248,7 +248,13 @@ class LookupEngine:
             key_bytes += len(plan.asked) * self._entry_bytes(g, hash_len)
         if repeat:
             cache.request_put(memo_key, blob_bytes, keys, key_bytes)
-        return keys, not repeat  # strings of a first sight are the lookup's own
+        elif total <= self._spare_keys:
+            # Keep the strings: the next lookup rewrites those nobody else references by then
+            # instead of the caller freeing them and the next lookup allocating (and
+            # page-faulting) new ones. A private copy of the list: a caller or a store may keep
+            # the one it was given, and then its strings are never touched.
+            self._spare = list(keys)
+        return keys
 
     def _entry_bytes(self, group: int, hash_len: int) -> int:
         size = self._entry_sizes.get((group, hash_len))
@@ -264,7 +270,7 @@ class LookupEngine:
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
             return []
-        return self._build_keys(*prepared, memo_key=(token_len, skip_tokens))[0]
+        return self._build_keys(*prepared, memo_key=(token_len, skip_tokens))
 
     def lookup(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
         """Hit length in tokens (0 .. ``token_len``) of the longest usable stored prefix.
@@ -279,14 +285,9 @@ class LookupEngine:
             self._count(0, 0, 0)
             return 0
         hashes, plans = prepared
-        keys, own = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
+        keys = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
         if keys:
             flags = self._ask(keys)
-            if own and len(keys) <= self._spare_keys:
-                # Keep the strings: the next lookup rewrites those nobody else references
-                # instead of freeing them now and allocating (and page-faulting) new ones.
-                # A private copy of the list: a store may keep the one it was given.
-                self._spare = list(keys)
             if flags is None:
                 self._count(len(keys), 1, 0)
                 return 0
