@@ -13,7 +13,7 @@ import hashlib
 import random
 import time
 from array import array
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 from . import _core
 from .engine import LookupEngine
