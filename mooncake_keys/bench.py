@@ -29,6 +29,8 @@ def _load(path: str, name: str) -> Any:
     full = f"_mooncake_keys_bench_{name}"
     if full not in sys.modules:
         spec = importlib.util.spec_from_file_location(full, os.path.join(path, f"{name}.py"))
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {name}.py from {path}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[full] = module
         spec.loader.exec_module(module)

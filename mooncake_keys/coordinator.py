@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 from math import lcm
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
+
+Presence = Union[bytes, bytearray]
 
 from .specs import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 
@@ -27,7 +29,7 @@ def _align_down(n: int, bs: int, alignment: int) -> int:
     return n - n % (alignment // bs)
 
 
-def full_attention_hit(p: bytes, max_length: int, bs: int, alignment: int, drop_eagle: bool) -> int:
+def full_attention_hit(p: Presence, max_length: int, bs: int, alignment: int, drop_eagle: bool) -> int:
     """Leading present chunks (at most ``max_length // bs``), less one with EAGLE, aligned down."""
     n = max_length // bs
     z = p.find(0, 0, n)
@@ -38,7 +40,7 @@ def full_attention_hit(p: bytes, max_length: int, bs: int, alignment: int, drop_
 
 
 def sliding_window_hit(
-    p: bytes, max_length: int, bs: int, alignment: int, need: int, drop_eagle: bool
+    p: Presence, max_length: int, bs: int, alignment: int, need: int, drop_eagle: bool
 ) -> int:
     """Chunks of a sliding-window hit: vLLM's right-to-left scan, jumping over runs.
 
@@ -150,7 +152,7 @@ class Coordinator:
         return tuple(masks)
 
     # ----------------------------------------------------------------------------- hits
-    def _attention_presence(self, presence: Sequence[bytes], ids: Tuple[int, ...]) -> bytes:
+    def _attention_presence(self, presence: Sequence[Presence], ids: Tuple[int, ...]) -> Presence:
         if len(ids) == 1:
             return presence[ids[0]]
         n = min(len(presence[g]) for g in ids)
@@ -160,7 +162,7 @@ class Coordinator:
         return acc.to_bytes(n, "little")
 
     def _manager_hit(
-        self, spec: KVCacheSpec, p: bytes, max_length: int, alignment: int, drop: bool
+        self, spec: KVCacheSpec, p: Presence, max_length: int, alignment: int, drop: bool
     ) -> int:
         bs = spec.block_size
         if len(p) < max_length // bs:  # chunks past the presence array are absent
@@ -170,7 +172,7 @@ class Coordinator:
         return full_attention_hit(p, max_length, bs, alignment, drop)
 
     def find_longest_cache_hit(
-        self, presence: Sequence[bytes], max_length: int, *, apply_eagle: bool = True
+        self, presence: Sequence[Presence], max_length: int, *, apply_eagle: bool = True
     ) -> int:
         """The longest hit in tokens (``<= max_length``) given per-group chunk presence."""
         eagle = self.eagle_attention_indices if apply_eagle else frozenset()

@@ -126,8 +126,8 @@ def run_demo(num_requests: int = 300, seed: int = 0, store: Any = None,
             hits.append(hit)
             block_ids = [list(range(token_len // g.spec.block_size)) for g in GROUPS]
             for pool, cache in zip(pools, caches):
-                for t in cache:
-                    t.zero_()
+                for tensor in cache:
+                    tensor.zero_()
                 if hit:
                     res = pool.load(hit, hashes, block_ids)
                     if not res.ok:

@@ -92,40 +92,42 @@ class LookupEngine:
             raise TypeError("store must have a batch_is_exist(list[str]) -> list[int] method")
         if isinstance(groups, (KVCacheGroup, FullAttentionSpec, SlidingWindowSpec)):
             groups = [groups]
-        groups = tuple(g if isinstance(g, KVCacheGroup) else KVCacheGroup(g) for g in groups)
-        if not groups:
+        grps: Tuple[KVCacheGroup, ...] = tuple(
+            g if isinstance(g, KVCacheGroup) else KVCacheGroup(g) for g in groups
+        )
+        if not grps:
             raise ValueError("groups must hold at least one KV-cache group")
         hash_block_size = _int_arg("hash_block_size", hash_block_size)
         if hash_block_size <= 0:
             raise ValueError(f"hash_block_size must be > 0, got {hash_block_size}")
-        for g, grp in enumerate(groups):
+        for g, grp in enumerate(grps):
             if grp.spec.block_size % hash_block_size:
                 raise ValueError(
                     f"groups[{g}] block_size ({grp.spec.block_size}) must be a multiple of "
                     f"hash_block_size ({hash_block_size})"
                 )
         if scheduler_block_size is None:
-            scheduler_block_size = scheduler_block_size_for(groups)
+            scheduler_block_size = scheduler_block_size_for(grps)
         scheduler_block_size = _int_arg("scheduler_block_size", scheduler_block_size)
         if scheduler_block_size <= 0:
             raise ValueError(f"scheduler_block_size must be > 0, got {scheduler_block_size}")
-        for g, grp in enumerate(groups):
+        for g, grp in enumerate(grps):
             if scheduler_block_size % grp.spec.block_size:
                 raise ValueError(
                     f"scheduler_block_size ({scheduler_block_size}) must be a multiple of "
                     f"groups[{g}] block_size ({grp.spec.block_size})"
                 )
-        if len(groups) > 1 and (layout.pcp_size > 1 or layout.dcp_size > 1):
+        if len(grps) > 1 and (layout.pcp_size > 1 or layout.dcp_size > 1):
             raise ValueError("PCP/DCP > 1 supports a single KV-cache group only (as in vLLM)")
 
         self.model_name = model_name
         self.cache_prefix = cache_prefix
         self.layout = layout
-        self.groups = groups
+        self.groups = grps
         self.hash_block_size = hash_block_size
         self.scheduler_block_size = scheduler_block_size
         self.store = store
-        self.coordinator = Coordinator(groups, scheduler_block_size, hash_block_size, use_eagle)
+        self.coordinator = Coordinator(grps, scheduler_block_size, hash_block_size, use_eagle)
         self.namespaces = layout.lookup_namespaces()
         #: Per group: the key prefix of every lookup namespace, in namespace order.
         self.prefixes: Tuple[Tuple[str, ...], ...] = tuple(
@@ -136,13 +138,13 @@ class LookupEngine:
                 )
                 for tp, pcp, dcp, pp in self.namespaces
             )
-            for g in range(len(groups))
+            for g in range(len(grps))
         )
         self._heads = tuple(tuple(key_head(p) for p in ps) for ps in self.prefixes)
-        self.key_cache = KeyCache(len(groups), key_cache_bytes)
+        self.key_cache = KeyCache(len(grps), key_cache_bytes)
         self._entry_sizes: dict = {}
         self._plan = lru_cache(maxsize=256)(self._compute_plan)
-        self._chunk_tables: List[Any] = [None] * len(groups)
+        self._chunk_tables: List[Any] = [None] * len(grps)
         self._spare: Optional[List[str]] = None
         # Keys of one lookup kept for reuse: within a quarter of the key-cache budget.
         self._spare_keys = key_cache_bytes // 4 // (len(self._heads[0][0]) + 64 + 49 + 8) if self._heads[0] else 0
@@ -286,6 +288,7 @@ class LookupEngine:
             return 0
         hashes, plans = prepared
         keys = self._build_keys(hashes, plans, memo_key=(token_len, skip_tokens))
+        flags: Any
         if keys:
             flags = self._ask(keys)
             if flags is None:
