@@ -146,8 +146,6 @@ class LookupEngine:
         self._plan = lru_cache(maxsize=256)(self._compute_plan)
         self._chunk_tables: List[Any] = [None] * len(grps)
         self._spare: Optional[List[str]] = None
-        # Keys of one lookup kept for reuse: within a quarter of the key-cache budget.
-        self._spare_keys = key_cache_bytes // 4 // (len(self._heads[0][0]) + 64 + 49 + 8) if self._heads[0] else 0
         self._stats_lock = threading.Lock()
         self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
 
@@ -178,7 +176,6 @@ class LookupEngine:
         return positions, index
 
     def _compute_plan(self, token_len: int, num_hashes: int, skip_tokens: int) -> Tuple[_GroupPlan, ...]:
-        self.coordinator.lookup_mask(token_len)  # validates token_len
         plans = []
         for g, grp in enumerate(self.groups):
             bs = grp.spec.block_size
@@ -250,7 +247,7 @@ class LookupEngine:
             key_bytes += len(plan.asked) * self._entry_bytes(g, hash_len)
         if repeat:
             cache.request_put(memo_key, blob_bytes, keys, key_bytes)
-        elif total <= self._spare_keys:
+        elif key_bytes <= cache.spare_budget:
             # Keep the strings: the next lookup rewrites those nobody else references by then
             # instead of the caller freeing them and the next lookup allocating (and
             # page-faulting) new ones. A private copy of the list: a caller or a store may keep

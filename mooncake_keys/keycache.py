@@ -84,6 +84,11 @@ class KeyCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    @property
+    def spare_budget(self) -> int:
+        """Estimated bytes of one lookup's key strings an engine may keep for reuse (a quarter)."""
+        return self.max_bytes // 4
+
     # ------------------------------------------------------------------ chunks
     def dicts(self, group: int) -> Tuple[dict, dict]:
         """The (young, old) dicts of ``group`` to hand to the core's ``fill_keys``."""
