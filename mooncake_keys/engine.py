@@ -39,6 +39,17 @@ def _int_arg(name: str, value: Any) -> int:
     return value
 
 
+def chunks_with_hash(block_size: int, hash_block_size: int, token_len: int, num_hashes: int) -> int:
+    """Leading chunks of ``block_size`` tokens below ``token_len`` that have a chunk hash."""
+    return min(token_len // block_size, num_hashes // (block_size // hash_block_size))
+
+
+def chunk_hash_index(block_size: int, hash_block_size: int, chunks: Sequence[int]) -> array:
+    """Index into the request's hashes of each chunk's hash: the last sub-hash of the chunk."""
+    scale = block_size // hash_block_size
+    return array("q", [j * scale + scale - 1 for j in chunks])
+
+
 @dataclass(frozen=True)
 class LookupStats:
     """Counters since the engine was made: lookups answered, store calls, keys sent, hit tokens."""
@@ -167,11 +178,8 @@ class LookupEngine:
         token_len = -(-cap * bs // lcm_bs) * lcm_bs
         mask = self.coordinator.lookup_mask(token_len)[g]
         cap = token_len // bs
-        scale = bs // self.hash_block_size
         positions = None if mask is None else array("q", [j for j in range(cap) if mask[j]])
-        index = array("q", range(scale - 1, cap * scale, scale))
-        if positions is not None:
-            index = array("q", [index[j] for j in positions])
+        index = chunk_hash_index(bs, self.hash_block_size, range(cap) if positions is None else positions)
         self._chunk_tables[g] = (positions, index, cap)
         return positions, index
 
@@ -180,7 +188,7 @@ class LookupEngine:
         for g, grp in enumerate(self.groups):
             bs = grp.spec.block_size
             num_chunks = token_len // bs
-            have = min(num_chunks, num_hashes // (bs // self.hash_block_size))  # chunks with a hash
+            have = chunks_with_hash(bs, self.hash_block_size, token_len, num_hashes)
             skip = min(skip_tokens // bs, have)  # chunks wholly below skip_tokens
             positions, index = self._chunk_table(g, num_chunks)
             if positions is None:

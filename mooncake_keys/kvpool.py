@@ -41,7 +41,6 @@ import ctypes
 import logging
 import operator
 import threading
-from array import array
 from dataclasses import dataclass
 from math import lcm
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -53,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
 
 from . import _core
 from ._keys import KeyMetadata, PoolKey, key_head
-from .engine import LookupEngine, _int_arg
+from .engine import LookupEngine, _int_arg, chunk_hash_index, chunks_with_hash
 from .hashes import BlockHashes, as_block_hashes
 from .layout import Namespace, ParallelLayout
 from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
@@ -341,11 +340,8 @@ class KVPool:
 
     def _chunks_with_hash(self, token_len: int, num_hashes: int) -> List[int]:
         """Per group, how many leading chunks lie below ``token_len`` and have a hash."""
-        out = []
-        for grp in self.groups:
-            bs = grp.spec.block_size
-            out.append(min(token_len // bs, num_hashes // (bs // self.hash_block_size)))
-        return out
+        return [chunks_with_hash(grp.spec.block_size, self.hash_block_size, token_len, num_hashes)
+                for grp in self.groups]
 
     def _keys(self, hashes: BlockHashes, chunks: Sequence[Sequence[int]]) -> List[str]:
         """This namespace's key of each (group, chunk), in group then chunk order."""
@@ -353,8 +349,7 @@ class KVPool:
         pos = 0
         for g, cs in enumerate(chunks):
             if cs:
-                scale = self.groups[g].spec.block_size // self.hash_block_size
-                index = array("q", [j * scale + scale - 1 for j in cs])
+                index = chunk_hash_index(self.groups[g].spec.block_size, self.hash_block_size, cs)
                 pos = _core.fill_keys(keys, pos, self._heads[g], hashes.blob, hashes.hash_len, index)[0]
         return keys
 
