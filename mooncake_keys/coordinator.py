@@ -15,9 +15,9 @@ from functools import lru_cache
 from math import lcm
 from typing import List, Optional, Sequence, Tuple, Union
 
-Presence = Union[bytes, bytearray]
-
 from .specs import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
+
+Presence = Union[bytes, bytearray]  # one byte per chunk: 1 present, 0 absent
 
 __all__ = ["Coordinator"]
 

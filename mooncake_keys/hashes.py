@@ -132,9 +132,4 @@ def as_block_hashes(block_hashes: Any) -> BlockHashes:
     """``block_hashes`` as a :class:`BlockHashes`: returned as is, or joined from a sequence."""
     if isinstance(block_hashes, BlockHashes):
         return block_hashes
-    if block_hashes is None or isinstance(block_hashes, (str, int)):
-        raise TypeError(
-            "block_hashes must be a sequence of bytes-like hashes or a BlockHashes, "
-            f"got {type(block_hashes).__name__}"
-        )
-    return BlockHashes.from_list(block_hashes)
+    return BlockHashes.from_list(block_hashes)  # TypeError naming block_hashes for non-sequences
