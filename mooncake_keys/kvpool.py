@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import operator
-import threading
 from dataclasses import dataclass
 from math import lcm
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -51,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
     raise ImportError("mooncake_keys.kvpool needs torch: pip install 'mooncake-keys[torch]'") from exc
 
 from . import _core
+from ._gate import CallGate
 from ._keys import KeyMetadata, PoolKey, key_head
 from .engine import LookupEngine, _int_arg, chunk_hash_index, chunks_with_hash
 from .hashes import BlockHashes, as_block_hashes
@@ -277,9 +277,7 @@ class KVPool:
         self.load_alignment = lcm(*(grp.spec.block_size for grp in self.groups))
         self._caches = self._check_caches(kv_caches)
 
-        self._cond = threading.Condition()
-        self._in_flight = 0
-        self._open = True
+        self._gate = CallGate()
         self._registered: List[int] = []
         for ptr, size in _merged_ranges(self._caches):
             try:
@@ -355,16 +353,11 @@ class KVPool:
 
     # ------------------------------------------------------------------ lifecycle
     def _enter(self) -> None:
-        with self._cond:
-            if not self._open:
-                raise KVPoolError("the KV pool is closed")
-            self._in_flight += 1
+        if not self._gate.enter():
+            raise KVPoolError("the KV pool is closed")
 
     def _leave(self) -> None:
-        with self._cond:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._cond.notify_all()
+        self._gate.leave()
 
     def _unregister(self) -> None:
         while self._registered:
@@ -379,17 +372,12 @@ class KVPool:
 
     @property
     def closed(self) -> bool:
-        return not self._open
+        return self._gate.closed
 
     def close(self) -> None:
         """Unregister the tensors' memory once calls in flight end. Idempotent."""
-        with self._cond:
-            if not self._open:
-                return
-            self._open = False
-            while self._in_flight:
-                self._cond.wait()
-        self._unregister()
+        if self._gate.close():
+            self._unregister()
 
     def __enter__(self) -> "KVPool":
         return self

@@ -39,6 +39,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from ._gate import CallGate
+
 __all__ = [
     "CONFIG_PATH_ENV",
     "MooncakeStore",
@@ -334,9 +336,7 @@ class MooncakeStore:
         """
         self._client = client
         self.master_address = master_address
-        self._cond = threading.Condition()
-        self._open = True
-        self._in_flight = 0
+        self._gate = CallGate()
         self._closed = threading.Event()
         self._probe = _MasterProbe.start_for(master_address, probe_interval_s)
 
@@ -426,23 +426,20 @@ class MooncakeStore:
     # ----------------------------------------------------------- guard
 
     def _enter(self, check_health: bool = True) -> Any:
-        with self._cond:
-            if not self._open:
-                raise MooncakeStoreError("store is closed")
-            if check_health:
-                if self._probe is not None and self._probe.down:
-                    raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
-                health = self._client.health_check()
-                if health != HEALTHY:
-                    raise MooncakeStoreUnavailable(health, self.master_address)
-            self._in_flight += 1
-            return self._client
+        if not self._gate.enter():
+            raise MooncakeStoreError("store is closed")
+        if check_health:
+            if self._probe is not None and self._probe.down:
+                self._gate.leave()
+                raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
+            health = self._client.health_check()
+            if health != HEALTHY:
+                self._gate.leave()
+                raise MooncakeStoreUnavailable(health, self.master_address)
+        return self._client
 
     def _leave(self) -> None:
-        with self._cond:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._cond.notify_all()
+        self._gate.leave()
 
     def _call(self, method: str, *args: Any, check_health: bool = True) -> Any:
         client = self._enter(check_health)
@@ -465,23 +462,23 @@ class MooncakeStore:
 
     @property
     def closed(self) -> bool:
-        return not self._open
+        return self._gate.closed
 
     def health_check(self) -> int:
         """0 healthy, 1 not initialised or closed, 2 master unreachable (cached, < 1 µs)."""
-        with self._cond:
-            return self._client.health_check() if self._open else NOT_INITIALISED
+        if not self._gate.enter():
+            return NOT_INITIALISED
+        try:
+            return self._client.health_check()
+        finally:
+            self._gate.leave()
 
     def close(self) -> None:
         """Close the client once in-flight calls end. Idempotent; takes ~1-2 s.
 
         Closing unmounts this client's segment: objects stored there vanish.
         """
-        with self._cond:
-            first = self._open
-            self._open = False
-            while first and self._in_flight:
-                self._cond.wait()
+        first = self._gate.close()
         if first and self._probe is not None:
             self._probe.stop()
         if not first:
