@@ -50,7 +50,7 @@ def _extensions():
         _warn("Cython is not installed.")
         return []
     return cythonize(
-        [Extension("mooncake_keys._core_c", ["mooncake_keys/_core_c.pyx"], extra_compile_args=["-O3"])],
+        [Extension("mooncake_keys.lookup._core_c", ["mooncake_keys/lookup/_core_c.pyx"], extra_compile_args=["-O3"])],
         compiler_directives={"language_level": "3"},
     )
 

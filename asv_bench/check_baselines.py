@@ -1,6 +1,6 @@
 """Check that the benchmark baselines and mooncake_keys agree: same keys, same hit lengths.
 
-    cd asv_bench && python check_baselines.py [--cases 3000] [--seed 0]
+    python asv_bench/check_baselines.py [--cases 3000] [--seed 0]
 
 On many random deployments, requests and store contents, the four implementations
 ``seed``, ``pre`` (``benchmarks/baselines.py``) and ``mooncake_keys.LookupEngine`` on the
@@ -35,11 +35,10 @@ import sys
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import mooncake_keys as mk  # noqa: E402
-from mooncake_keys import engine as engine_mod  # noqa: E402
-from benchmarks import baselines, common  # noqa: E402
+import mooncake_keys as mk
+from mooncake_keys.bench import baselines
+from mooncake_keys.bench import scenarios as common
+from mooncake_keys.lookup import _core
 
 
 class DictStore:
@@ -150,22 +149,16 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
     for impl in ("c", "py"):
         for cache in (common.DEFAULT_KEY_CACHE_BYTES, 0):
             store = DictStore(codes)
-            core = common._core_namespace(impl)
-            saved = engine_mod._core
-            engine_mod._core = core
-            try:
-                eng = mk.LookupEngine(case["model"], case["groups"], case["layout"], hash_block_size=case["hbs"],
-                                      use_eagle=case["use_eagle"], cache_prefix=case["cache_prefix"], store=store,
-                                      key_cache_bytes=cache)
-                hits = []
-                for _ in range(3):  # first sight, second sight (admitted), memoised
-                    try:
-                        hits.append(eng.lookup(case["token_len"], case["hashes"]))
-                    except Exception as exc:  # noqa: BLE001
-                        hits.append(f"{type(exc).__name__}")
-                keys = eng.candidate_keys(case["token_len"], case["hashes"]) if case["hashes"] else []
-            finally:
-                engine_mod._core = saved
+            eng = mk.LookupEngine(case["model"], case["groups"], case["layout"], hash_block_size=case["hbs"],
+                                  use_eagle=case["use_eagle"], cache_prefix=case["cache_prefix"], store=store,
+                                  key_cache_bytes=cache, core=impl)
+            hits = []
+            for _ in range(3):  # first sight, second sight (admitted), memoised
+                try:
+                    hits.append(eng.lookup(case["token_len"], case["hashes"]))
+                except Exception as exc:  # noqa: BLE001
+                    hits.append(f"{type(exc).__name__}")
+            keys = eng.candidate_keys(case["token_len"], case["hashes"]) if case["hashes"] else []
             if any(sent != store.sent[0] for sent in store.sent[1:]):
                 hits.append("keys of a repeated lookup differ from the first")
             if store.sent and keys != store.sent[0]:
@@ -236,13 +229,12 @@ def check_scenario_answers() -> List[str]:
         keys = {}
         for impl in common.IMPLS:
             b = common.lookup_bench(impl, sc)
-            with b.impl:
-                keys[impl] = tuple(b.impl.candidate_keys(b.pool[0]))
-                hits[impl] = b.impl.lookup(b.pool[0])
-                if impl in ("c", "py"):  # the second sight, and a memoised third, answer the same
-                    for _ in range(2):
-                        if b.impl.lookup(b.pool[0]) != hits[impl]:
-                            problems.append(f"{sc.name}: {impl} answers differently when repeated")
+            keys[impl] = tuple(b.impl.candidate_keys(b.pool[0]))
+            hits[impl] = b.impl.lookup(b.pool[0])
+            if impl in ("c", "py"):  # the second sight, and a memoised third, answer the same
+                for _ in range(2):
+                    if b.impl.lookup(b.pool[0]) != hits[impl]:
+                        problems.append(f"{sc.name}: {impl} answers differently when repeated")
         if len(set(keys.values())) != 1 or len(set(hits.values())) != 1:
             problems.append(f"{sc.name}: impls disagree: hits {hits}")
         expected = sc.present_token_len
@@ -280,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dup", type=int, default=500, help="cases with repeated hashes (0 to skip)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    print(f"compiled core: {common._core_c is not None}; engine default core: {mk.ACCELERATED and 'c' or 'py'}")
+    print(f"compiled core: {_core._core_c is not None}; engine default core: {mk.ACCELERATED and 'c' or 'py'}")
     tally = check_random(args.cases, args.seed, args.verbose)
     print("random cases:", dict(tally))
     problems = check_scenario_answers()

@@ -22,9 +22,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from benchmarks import common  # noqa: E402
+from mooncake_keys.bench import scenarios as common
 
 
 def _ns_per_key(impl: str, scenario: common.Scenario, what: str, rounds: int, batch: int) -> tuple:
@@ -33,18 +31,17 @@ def _ns_per_key(impl: str, scenario: common.Scenario, what: str, rounds: int, ba
     common.burn_in(b, call)
     keys = common.count_keys(scenario)
     best = float("inf")
-    with b.impl:
-        for _ in range(rounds):
-            reqs = [b.fresh_request() for _ in range(batch)]
-            gc.disable()
-            total = 0
-            for req in reqs:
-                b.impl.forget_shapes()
-                t0 = time.perf_counter_ns()
-                call(req)
-                total += time.perf_counter_ns() - t0
-            gc.enable()
-            best = min(best, total / batch)
+    for _ in range(rounds):
+        reqs = [b.fresh_request() for _ in range(batch)]
+        gc.disable()
+        total = 0
+        for req in reqs:
+            b.impl.forget_shapes()
+            t0 = time.perf_counter_ns()
+            call(req)
+            total += time.perf_counter_ns() - t0
+        gc.enable()
+        best = min(best, total / batch)
     return keys, best / keys, best / 1e3
 
 
@@ -75,14 +72,13 @@ def _memory_child(impl: str) -> None:
     req = b.fresh_request()
     gc.collect()
     rss0 = _peak_rss()
-    with b.impl:
-        b.impl.lookup(req)  # the peak RSS this one adds
-        rss1 = _peak_rss()
-        req2 = b.fresh_request()
-        tracemalloc.start()
-        b.impl.lookup(req2)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+    b.impl.lookup(req)  # the peak RSS this one adds
+    rss1 = _peak_rss()
+    req2 = b.fresh_request()
+    tracemalloc.start()
+    b.impl.lookup(req2)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     keys = common._keys_of(sc, req, sc.token_len)
     key_bytes = sum(map(sys.getsizeof, keys))
     print(f"{impl} {len(keys)} {key_bytes} {peak} {rss1 - rss0}")

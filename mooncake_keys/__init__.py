@@ -1,34 +1,39 @@
 """mooncake_keys: fast, vLLM-compatible prefix-cache lookups against a Mooncake store.
 
-Keys are byte-identical to vLLM's ``MooncakeStoreConnector`` and hit lengths equal its
-PCP/DCP-correct lookup; the key building and rank reduction run in a compiled core when one
-is available (``ACCELERATED``), in a pure-Python twin otherwise.
+Keys are byte-identical to vLLM's ``MooncakeStoreConnector`` and hit lengths equal its lookup;
+the key building and rank reduction run in a compiled core when one is available
+(``ACCELERATED``), in a pure-Python twin otherwise.
+
+The package reads as the data flow: ``lookup`` (hashes -> keys -> hit length), ``store``
+(where the keys are asked), ``kvpool`` (one rank's saves and loads), ``cli`` (demo, bench).
+Names that need torch or the Mooncake client are imported on first use.
 """
 
-from ._core import ACCELERATED
-from ._keys import KeyMetadata, PoolKey, model_name_from_path
-from .coordinator import Coordinator
-from .engine import LookupEngine, LookupStats
-from .hashes import BlockHashes
-from .keycache import KeyCache, KeyCacheStats
-from .layout import ParallelLayout
-from .memory_store import MemoryStore
-from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
-from .embedded import OpenStore, open_store
-from .local_master import LocalMaster, LocalMasterError
-from .mooncake_store import (
-    MooncakeStore,
-    MooncakeStoreConfig,
-    MooncakeStoreError,
-    MooncakeStoreUnavailable,
-)
+from .lookup._core import ACCELERATED
+from .lookup.coordinator import Coordinator
+from .lookup.deployment import Deployment
+from .lookup.engine import LookupEngine, LookupStats
+from .lookup.hashes import BlockHashes
+from .lookup.keycache import KeyCache, KeyCacheStats
+from .lookup.keys import KeyMetadata, PoolKey, model_name_from_path
+from .lookup.layout import ParallelLayout
+from .lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from .store.memory import MemoryStore
 
-_LAZY = {  # need torch: imported on first use
-    "KVPool": "kvpool",
+_LAZY = {  # heavier modules, imported on first use
+    "KVPool": "kvpool",  # torch
     "SaveResult": "kvpool",
     "LoadResult": "kvpool",
     "KVPoolError": "kvpool",
     "KVPoolStoreError": "kvpool",
+    "LocalMaster": "store.local_master",
+    "LocalMasterError": "store.local_master",
+    "MooncakeStore": "store.mooncake",
+    "MooncakeStoreError": "store.mooncake",
+    "MooncakeStoreUnavailable": "store.mooncake",
+    "MooncakeStoreConfig": "store.config",
+    "OpenStore": "store.default",
+    "open_store": "store.default",
 }
 
 
@@ -40,12 +45,18 @@ def __getattr__(name: str):
 
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
-__version__ = "0.1.0"
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__version__ = "0.2.0"
 
 __all__ = [
     "ACCELERATED",
     "BlockHashes",
     "Coordinator",
+    "Deployment",
     "FullAttentionSpec",
     "KVCacheGroup",
     "KeyCache",

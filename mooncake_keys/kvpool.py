@@ -1,11 +1,11 @@
 """The Mooncake I/O of one rank: save a request's KV-cache chunks to the pool, load them back.
 
-A :class:`KVPool` is the worker-side twin of a :class:`~mooncake_keys.engine.LookupEngine`
-for the same deployment (model, KV-cache groups, rank layout, cache prefix): it writes exactly
-the keys a lookup asks for, under this rank's *writer namespace*, so that a hit the lookup
-reports is a hit every rank can load (vLLM's ``MooncakeStoreWorker`` send/recv threads, §8 of
-the lookup spec). Keys are built by the same code path as the lookup's: ``_keys`` gives the key
-head, ``_core.fill_keys`` appends the hex.
+A :class:`KVPool` is the worker-side twin of a :class:`~mooncake_keys.LookupEngine` for the
+same deployment (model, KV-cache groups, rank layout, cache prefix): both are built on a
+:class:`~mooncake_keys.Deployment`, so a pool writes exactly the keys a lookup asks for, under
+this rank's *writer namespace*, and a hit the lookup reports is a hit every rank can load
+(vLLM's ``MooncakeStoreWorker`` send/recv threads). Keys, the chunk-to-hash rule and the
+usable length of a load all come from the deployment: the same code as the lookup's.
 
 Shape contract of ``kv_caches``
     One ``torch.Tensor`` per KV-cache group (a bare tensor is accepted when there is one
@@ -18,9 +18,8 @@ Shape contract of ``kv_caches``
     hybrid models do, with disjoint block ids): its memory is registered once. Only CPU memory is
     accepted: the store reads and writes the blocks by address, and nothing here uses CUDA.
 
-Sizes are in tokens unless named otherwise; chunk ``j`` of a group of ``block_size`` tokens
-covers tokens ``[j * block_size, (j + 1) * block_size)`` and is keyed by the request hash at
-index ``j * scale + scale - 1`` (``scale = block_size // hash_block_size``).
+Sizes are in tokens unless named otherwise; chunk ``j`` of a group covers tokens
+``[j * block_size, (j + 1) * block_size)`` (the chunk-to-hash rule is the deployment's).
 
 Failure handling
     * A per-key result code is data, not an exception: a put result ``< 0`` is reported per
@@ -33,6 +32,9 @@ Failure handling
       decides to retry or recompute). When a ``batch_get_into`` fails that way, every
       destination block of the call is zeroed first.
     * Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument, before any I/O.
+    * A registered tensor that was reallocated since (``resize_``, ``set_``) is refused with
+      :class:`KVPoolError` before any I/O: the store would read or write freed memory.
+    * The work of a save or load is bounded by the hashes given, whatever ``token_len`` says.
 """
 
 from __future__ import annotations
@@ -40,22 +42,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import operator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from math import lcm
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - torch is an optional dependency
     raise ImportError("mooncake_keys.kvpool needs torch: pip install 'mooncake-keys[torch]'") from exc
 
-from . import _core
-from ._gate import CallGate
-from ._keys import KeyMetadata, PoolKey, key_head
-from .engine import LookupEngine, _int_arg, chunk_hash_index, chunks_with_hash
-from .hashes import BlockHashes, as_block_hashes
-from .layout import Namespace, ParallelLayout
-from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from ._checks import int_arg
+from .lookup.deployment import Deployment, GroupLike
+from .lookup.hashes import BlockHashes, as_block_hashes
+from .lookup.keys import PoolKey
+from .lookup.layout import Namespace, ParallelLayout
+from .lookup.specs import KVCacheGroup, SlidingWindowSpec
+from .store.gate import CallGate, GateClosed
 
 __all__ = [
     "ChunkFailure",
@@ -155,6 +157,13 @@ class _GroupCache:
     def block_ptr(self, block_id: int) -> int:
         return self.ptr + block_id * self.block_nbytes
 
+    def still_registered(self) -> bool:
+        """The tensor still lives at the registered address with the registered size."""
+        t = self.tensor
+        return t.data_ptr() == self.ptr and t.shape[0] == self.num_blocks and t.is_contiguous() and (
+            t.numel() * t.element_size() == self.num_blocks * self.block_nbytes
+        )
+
 
 def _check_tensor(name: str, t: Any) -> _GroupCache:
     if not isinstance(t, torch.Tensor):
@@ -207,25 +216,12 @@ def _is_sequence(x: Any) -> bool:
     return not isinstance(x, (str, bytes, bytearray)) and hasattr(x, "__len__") and hasattr(x, "__getitem__")
 
 
-def _check_rank(rank: Any, layout: ParallelLayout) -> Namespace:
-    if isinstance(rank, (str, bytes)) or not isinstance(rank, Sequence) or len(rank) != 4:
-        raise TypeError(f"rank must be a (tp, pcp, dcp, pp) tuple of 4 ints, got {rank!r}")
-    rank = tuple(rank)
-    layout.writer_namespace(*rank)  # TypeError / ValueError naming the coordinate out of range
-    if rank not in layout.ranks():
-        raise ValueError(
-            f"rank {rank} is not a rank of the layout: under DCP the dcp rank must be "
-            f"tp_rank % dcp_size ({layout.dcp_size})"
-        )
-    return rank
-
-
 class KVPool:
     """Saves and loads the KV-cache blocks of the rank ``rank = (tp, pcp, dcp, pp)``.
 
     ``model_name``, ``groups``, ``layout``, ``hash_block_size``, ``scheduler_block_size``,
-    ``use_eagle`` and ``cache_prefix`` describe the deployment exactly as for
-    :class:`LookupEngine` (and are checked the same way). ``kv_caches`` holds this rank's
+    ``use_eagle``, ``cache_prefix`` and ``core`` describe the deployment exactly as for
+    :class:`~mooncake_keys.LookupEngine` (and are checked by the same code). ``kv_caches`` holds this rank's
     KV-cache tensor of each group (see the module docstring for the shape contract). ``store``
     needs ``register_buffer``, ``unregister_buffer``, ``batch_is_exist``, ``batch_put_from`` and
     ``batch_get_into`` (a :class:`~mooncake_keys.memory_store.MemoryStore`, a
@@ -237,7 +233,7 @@ class KVPool:
     def __init__(
         self,
         model_name: str,
-        groups: Sequence[Union[KVCacheGroup, FullAttentionSpec, SlidingWindowSpec]],
+        groups: Sequence[GroupLike],
         layout: ParallelLayout,
         *,
         rank: Tuple[int, int, int, int],
@@ -247,34 +243,24 @@ class KVPool:
         use_eagle: bool = False,
         cache_prefix: str = "",
         store: Any,
+        core: Optional[str] = None,
     ) -> None:
         missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
         if missing:
             raise TypeError(f"store lacks the method(s) {', '.join(missing)} a KV pool needs")
-        # The deployment, validated once and in one place; its plan picks the chunks to save.
-        self._deployment = LookupEngine(
+        #: The deployment, validated once: keys, chunk-to-hash rule, plans and hit lengths.
+        self.deployment = Deployment(
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
-            cache_prefix=cache_prefix, store=store, key_cache_bytes=0,
+            cache_prefix=cache_prefix, core=core,
         )
-        self.groups: Tuple[KVCacheGroup, ...] = self._deployment.groups
+        self.groups: Tuple[KVCacheGroup, ...] = self.deployment.groups
         self.layout = layout
-        self.coordinator = self._deployment.coordinator
-        self.hash_block_size = self._deployment.hash_block_size
-        self.scheduler_block_size = self._deployment.scheduler_block_size
         self.store = store
-        self.rank: Namespace = _check_rank(rank, layout)
+        self.rank: Namespace = layout.check_rank(rank)
         #: This rank's writer namespace (tp, pcp, dcp, pp): where it saves to and loads from.
         self.namespace: Namespace = layout.writer_namespace(*self.rank)
-        tp, pcp, dcp, pp = self.namespace
-        #: Per group, the prefix of this rank's keys (up to and including ``@group:<g>``).
-        self.prefixes: Tuple[str, ...] = tuple(
-            PoolKey.build_prefix(KeyMetadata(model_name, tp, pcp, dcp, pp, group_id=g, cache_prefix=cache_prefix))
-            for g in range(len(self.groups))
-        )
-        self._heads = tuple((key_head(p),) for p in self.prefixes)
-        #: Alignment of a load: a lookup hit is always a multiple of it.
-        self.load_alignment = lcm(*(grp.spec.block_size for grp in self.groups))
+        self._heads = tuple((self.deployment.key_head(g, self.namespace),) for g in range(len(self.groups)))
         self._caches = self._check_caches(kv_caches)
 
         self._gate = CallGate()
@@ -292,6 +278,19 @@ class KVPool:
                     "(is that memory already registered with this store, e.g. by another KVPool?)"
                 )
             self._registered.append(ptr)
+
+    @property
+    def hash_block_size(self) -> int:
+        return self.deployment.hash_block_size
+
+    @property
+    def scheduler_block_size(self) -> int:
+        return self.deployment.scheduler_block_size
+
+    @property
+    def prefixes(self) -> Tuple[str, ...]:
+        """Per group, the prefix of this rank's keys (up to and including ``@group:<g>``)."""
+        return tuple(self.deployment.key_prefix(g, self.namespace) for g in range(len(self.groups)))
 
     # ------------------------------------------------------------------ validation
     def _check_caches(self, kv_caches: Any) -> Tuple[_GroupCache, ...]:
@@ -338,8 +337,7 @@ class KVPool:
 
     def _chunks_with_hash(self, token_len: int, num_hashes: int) -> List[int]:
         """Per group, how many leading chunks lie below ``token_len`` and have a hash."""
-        return [chunks_with_hash(grp.spec.block_size, self.hash_block_size, token_len, num_hashes)
-                for grp in self.groups]
+        return [self.deployment.chunks_with_hash(g, token_len, num_hashes) for g in range(len(self.groups))]
 
     def _keys(self, hashes: BlockHashes, chunks: Sequence[Sequence[int]]) -> List[str]:
         """This namespace's key of each (group, chunk), in group then chunk order."""
@@ -347,17 +345,25 @@ class KVPool:
         pos = 0
         for g, cs in enumerate(chunks):
             if cs:
-                index = chunk_hash_index(self.groups[g].spec.block_size, self.hash_block_size, cs)
-                pos = _core.fill_keys(keys, pos, self._heads[g], hashes.blob, hashes.hash_len, index)[0]
+                pos = self.deployment.fill_keys(keys, pos, self._heads[g], hashes, self.deployment.hash_index(g, cs))
         return keys
 
     # ------------------------------------------------------------------ lifecycle
-    def _enter(self) -> None:
-        if not self._gate.enter():
-            raise KVPoolError("the KV pool is closed")
-
-    def _leave(self) -> None:
-        self._gate.leave()
+    @contextmanager
+    def _call_gate(self) -> Iterator[None]:
+        """One save or load: refused once closed, and only on tensors still where they were
+        registered (a reallocated one would have the store touch freed memory)."""
+        try:
+            with self._gate.call("KV pool"):
+                for g, cache in enumerate(self._caches):
+                    if not cache.still_registered():
+                        raise KVPoolError(
+                            f"kv_caches[{g}] was reallocated or reshaped after the pool registered it "
+                            f"(resize_ or set_?): the store would use freed memory; make a new KVPool"
+                        )
+                yield
+        except GateClosed:
+            raise KVPoolError("the KV pool is closed") from None
 
     def _unregister(self) -> None:
         while self._registered:
@@ -376,8 +382,7 @@ class KVPool:
 
     def close(self) -> None:
         """Unregister the tensors' memory once calls in flight end. Idempotent."""
-        if self._gate.close():
-            self._unregister()
+        self._gate.close(self._unregister)
 
     def __enter__(self) -> "KVPool":
         return self
@@ -402,16 +407,11 @@ class KVPool:
         ranks sharing this namespace store each chunk exactly once. Keys that already exist
         (one ``batch_is_exist``) are skipped; the rest go in one zero-copy ``batch_put_from``.
         """
-        self._enter()
-        try:
+        with self._call_gate():
             return self._save(token_len, block_hashes, block_ids)
-        finally:
-            self._leave()
 
     def _save(self, token_len: int, block_hashes: Any, block_ids: Any) -> SaveResult:
-        token_len = _int_arg("token_len", token_len)
-        if token_len < 0:
-            raise ValueError(f"token_len must be >= 0, got {token_len}")
+        token_len = int_arg("token_len", token_len, min=0)
         hashes = as_block_hashes(block_hashes)
         token_len -= token_len % self.scheduler_block_size
         table = self._block_table(block_ids, self._chunks_with_hash(token_len, len(hashes)))
@@ -421,7 +421,7 @@ class KVPool:
         step = self.layout.put_step
         chunks = tuple(
             tuple(j for j in plan.asked if j % step == (self.rank[0] + g) % step)
-            for g, plan in enumerate(self._deployment._plan(token_len, len(hashes), 0))
+            for g, plan in enumerate(self.deployment.plan(token_len, len(hashes), 0).groups)
         )
         where = [(g, j) for g, cs in enumerate(chunks) for j in cs]
         if not where:
@@ -476,52 +476,39 @@ class KVPool:
             out.append(range(min(first, have[g]), have[g]))
         return out
 
-    def _loaded_tokens(self, token_len: int, skip_tokens: int, loaded: Sequence[set]) -> int:
-        """The longest aligned prefix whose every needed chunk is held (below skip) or loaded."""
-        runs = []  # per group: runs[e] = held chunks in a row ending just before chunk e
+    def _loaded_tokens(self, token_len: int, num_hashes: int, skip_tokens: int, loaded: Sequence[set]) -> int:
+        """The longest usable prefix (the deployment's hit length, EAGLE aside) when the chunks
+        with a hash below ``skip_tokens`` are held and those in ``loaded`` were loaded."""
+        dep = self.deployment
+        span = dep.span(token_len, num_hashes)
+        presence = []
         for g, grp in enumerate(self.groups):
-            skip = skip_tokens // grp.spec.block_size
-            run = [0]
-            for j in range(token_len // grp.spec.block_size):
-                run.append(run[-1] + 1 if j < skip or j in loaded[g] else 0)
-            runs.append(run)
-        for length in range(token_len, 0, -self.load_alignment):
-            for grp, run in zip(self.groups, runs):
-                end = length // grp.spec.block_size
-                need = end  # full attention: every chunk before the end
-                if isinstance(grp.spec, SlidingWindowSpec):
-                    need = min(end, grp.spec.blocks_needed(False))
-                if run[end] < need:
-                    break
-            else:
-                return length
-        return 0
+            p = bytearray(span // grp.spec.block_size)
+            held = min(skip_tokens // grp.spec.block_size, dep.chunks_with_hash(g, span, num_hashes))
+            p[:held] = b"\x01" * held
+            for j in loaded[g]:
+                p[j] = 1
+            presence.append(p)
+        return dep.hit_length(presence, span, apply_eagle=False)
 
     def load(self, token_len: int, block_hashes: Any, block_ids: Any, skip_tokens: int = 0) -> LoadResult:
         """Get the chunks of ``[skip_tokens, token_len)`` from this rank's namespace into its blocks.
 
-        ``token_len`` is floored to :attr:`load_alignment` (the lcm of the group block sizes; a
-        lookup hit is a multiple of it); ``skip_tokens`` (tokens already held) is floored to each
+        ``token_len`` is floored to the scheduler block size (a lookup hit is a multiple of it);
+        ``skip_tokens`` (tokens already held) is floored to each
         group's block size. ``block_ids`` is as for :meth:`save` and names the destination
         blocks, which must not overlap. No put striding here: every chunk comes from this rank's
         own namespace, with one zero-copy ``batch_get_into``. A chunk whose get did not return
         the block's exact byte count is reported with the store's code and its block is zeroed.
         """
-        self._enter()
-        try:
+        with self._call_gate():
             return self._load(token_len, block_hashes, block_ids, skip_tokens)
-        finally:
-            self._leave()
 
     def _load(self, token_len: int, block_hashes: Any, block_ids: Any, skip_tokens: int) -> LoadResult:
-        token_len = _int_arg("token_len", token_len)
-        skip_tokens = _int_arg("skip_tokens", skip_tokens)
-        if token_len < 0:
-            raise ValueError(f"token_len must be >= 0, got {token_len}")
-        if skip_tokens < 0:
-            raise ValueError(f"skip_tokens must be >= 0, got {skip_tokens}")
+        token_len = int_arg("token_len", token_len, min=0)
+        skip_tokens = int_arg("skip_tokens", skip_tokens, min=0)
         hashes = as_block_hashes(block_hashes)
-        token_len -= token_len % self.load_alignment
+        token_len -= token_len % self.scheduler_block_size
         have = self._chunks_with_hash(token_len, len(hashes))
         table = self._block_table(block_ids, have)
         chunks = self._load_chunks(token_len, have, skip_tokens)
@@ -555,7 +542,8 @@ class KVPool:
             if rc == n:
                 loaded[g].add(j)
         result = LoadResult(
-            token_len, tuple(tuple(s) for s in statuses), self._loaded_tokens(token_len, skip_tokens, loaded)
+            token_len, tuple(tuple(s) for s in statuses),
+            self._loaded_tokens(token_len, len(hashes), skip_tokens, loaded),
         )
         if not result.ok:
             bad = result.failed

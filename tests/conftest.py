@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import mooncake_keys  # noqa: E402
-from mooncake_keys import _core, _core_py  # noqa: E402
+from mooncake_keys.lookup import _core  # noqa: E402
 
 try:
     from mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
@@ -22,12 +22,13 @@ except ImportError:  # the Mooncake I/O modules are optional
 
 def _load_c():
     try:
-        return importlib.import_module("mooncake_keys._core_c")
+        return importlib.import_module("mooncake_keys.lookup._core_c")
     except ImportError:
         return None
 
 
 CORE_C = _load_c()
+CORE_PY = importlib.import_module("mooncake_keys.lookup._core_py")
 
 IMPLS = [
     pytest.param("c", marks=pytest.mark.c_extension, id="c"),
@@ -36,17 +37,12 @@ IMPLS = [
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request, monkeypatch) -> types.ModuleType:
-    """The core module under test, installed as the one the package calls."""
-    if request.param == "c":
-        if CORE_C is None:
-            pytest.skip("the compiled core is not built")
-        mod = CORE_C
-    else:
-        mod = _core_py
-    monkeypatch.setattr(_core, "fill_keys", mod.fill_keys)
-    monkeypatch.setattr(_core, "reduce_presence", mod.reduce_presence)
-    return mod
+def impl(request) -> types.ModuleType:
+    """The core module under test; engines and pools made in the test use it by default."""
+    if request.param == "c" and CORE_C is None:
+        pytest.skip("the compiled core is not built")
+    with _core.default_core(request.param) as mod:
+        yield mod
 
 
 class RecordingStore:

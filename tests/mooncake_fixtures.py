@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_keys.local_master import LocalMaster
-from mooncake_keys.mooncake_store import MooncakeStore
+from mooncake_keys.store.local_master import LocalMaster
+from mooncake_keys.store.mooncake import MooncakeStore
 
 # The client reads its log level once, when mooncake.store is first imported.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

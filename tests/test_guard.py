@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 import mooncake_keys as mk
-from mooncake_keys import _core, _core_py
+from mooncake_keys.lookup import _core, _core_py
 
 
 def _compiler_works() -> bool:
@@ -52,10 +52,10 @@ def test_public_flag_follows_the_dispatcher():
 
 
 def test_no_extensions_switch_forces_pure_python():
-    code = "import mooncake_keys as mk, mooncake_keys._core as c; print(mk.ACCELERATED, c.fill_keys.__module__)"
+    code = "import mooncake_keys as mk, mooncake_keys.lookup._core as c; print(mk.ACCELERATED, c.fill_keys.__module__)"
     env = dict(os.environ, MOONCAKE_KEYS_NO_EXTENSIONS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "mooncake_keys._core_py"]
+    assert out.stdout.split() == ["False", "mooncake_keys.lookup._core_py"]
 
 
 def test_both_cores_have_the_same_functions():
@@ -63,5 +63,6 @@ def test_both_cores_have_the_same_functions():
 
     if CORE_C is None:
         pytest.skip("the compiled core is not built")
-    for name in _core_py.__all__:
+    assert CORE_C.__all__ == _core_py.__all__  # behaviour: tests/test_core_parity.py
+    for name in ("fill_keys", "reduce_presence"):
         assert callable(getattr(CORE_C, name))

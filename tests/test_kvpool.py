@@ -347,7 +347,7 @@ def test_load_floors_to_the_lcm_of_group_block_sizes(impl):
     hs = hashes_of(12)
     kv = [random_cache(random.Random(0), 6, 64), random_cache(random.Random(1), 24, 64)]
     with pool(store, groups, kv_caches=kv, hash_block_size=8) as p:
-        assert p.load_alignment == 32
+        assert p.scheduler_block_size == 32
         p.save(96, hs, [[0, 1, 2], list(range(12))])
         res = p.load(70, hs, [[3, 4, 5], list(range(12, 24))])
     assert res.token_len == 64 and res.ok

@@ -145,7 +145,7 @@ def test_key_cache_budget_never_changes_keys(impl, case, cache_bytes):
     stats = eng.key_cache.stats()
     assert stats.bytes <= cache_bytes
     if cache_bytes == 0:
-        assert stats.entries == 0 and stats.hits == 0
+        assert stats.requests == 0 and stats.request_hits == 0
 
 
 @SETTINGS

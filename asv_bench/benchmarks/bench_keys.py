@@ -1,7 +1,7 @@
 """Key building: the candidate keys of one lookup (``LookupEngine.candidate_keys`` for c / py,
 the baselines' key loops for seed / pre), without the store or the coordinator."""
 
-from .common import IMPLS, BenchState, burn_in, grid_scenario, lookup_bench, prime
+from mooncake_keys.bench.scenarios import IMPLS, BenchState, burn_in, grid_scenario, lookup_bench, prime
 
 
 class KeyBuild(BenchState):
@@ -20,8 +20,6 @@ class KeyBuild(BenchState):
 
         self._enter(("KeyBuild", impl, hashes, r), build)
 
-    def teardown(self, impl, hashes, r):
-        self._leave()
 
     def time_candidate_keys(self, impl, hashes, r):
         self.b.impl.candidate_keys(self.req)
@@ -43,8 +41,6 @@ class KeyBuildShapes(BenchState):
 
         self._enter(("KeyBuildShapes", impl, groups, hash_len), build)
 
-    def teardown(self, impl, groups, hash_len):
-        self._leave()
 
     def time_candidate_keys(self, impl, groups, hash_len):
         self.b.impl.candidate_keys(self.req)
@@ -66,8 +62,6 @@ class KeyBuildWarm(BenchState):
 
         self._enter(("KeyBuildWarm", impl, r), build, "warm")
 
-    def teardown(self, impl, r):
-        self._leave()
 
     def time_candidate_keys(self, impl, r):
         self.b.impl.candidate_keys(self.req)

@@ -1,7 +1,7 @@
 """The whole client-side lookup (key building, one ``batch_is_exist`` on a stub store that returns
 a precomputed answer, reduction, coordinator), and the keys a lookup sends."""
 
-from .common import IMPLS, STANDARD, BenchState, _minor_faults, burn_in, grid_scenario, lookup_bench, prime
+from mooncake_keys.bench.scenarios import IMPLS, STANDARD, BenchState, _minor_faults, burn_in, grid_scenario, lookup_bench, prime
 
 
 class LookupGrid(BenchState):
@@ -20,8 +20,6 @@ class LookupGrid(BenchState):
 
         self._enter(("LookupGrid", impl, hashes, r), build)
 
-    def teardown(self, impl, hashes, r):
-        self._leave()
 
     def time_lookup(self, impl, hashes, r):
         self.b.impl.lookup(self.req)
@@ -43,8 +41,6 @@ class LookupShapes(BenchState):
 
         self._enter(("LookupShapes", impl, groups, hash_len), build)
 
-    def teardown(self, impl, groups, hash_len):
-        self._leave()
 
     def time_lookup(self, impl, groups, hash_len):
         self.b.impl.lookup(self.req)
@@ -70,8 +66,6 @@ class StandardScenarios(BenchState):
 
         self._enter(("StandardScenarios", scenario, mode, impl), build, mode)
 
-    def teardown(self, scenario, mode, impl):
-        self._leave()
 
     def time_lookup(self, scenario, mode, impl):
         self.b.impl.lookup(self.req)
@@ -102,8 +96,6 @@ class StandardColdFaults(BenchState):
 
         self._enter(("StandardColdFaults", scenario, impl), build)
 
-    def teardown(self, scenario, impl):
-        self._leave()
 
     def track_minor_faults_per_lookup(self, scenario, impl):
         total = calls = 0
@@ -132,8 +124,6 @@ class KeysPerLookup(BenchState):
     def setup(self, scenario, skip):
         self._enter(("KeysPerLookup", scenario), lambda: lookup_bench("py", STANDARD[scenario], answer=False), "warm")
 
-    def teardown(self, scenario, skip):
-        self._leave()
 
     def track_keys_sent(self, scenario, skip):
         req = self.req

@@ -10,7 +10,7 @@ The stub's answer is computed in a forked child so that its key strings do not c
 import sys
 import tracemalloc
 
-from .common import IMPLS, BenchState, _keys_of, grid_scenario, lookup_bench, make_request
+from mooncake_keys.bench.scenarios import IMPLS, BenchState, _keys_of, grid_scenario, lookup_bench, make_request
 
 HASHES_1M = 131072
 R_1M = 8
@@ -28,8 +28,6 @@ class PeakMem1M(BenchState):
     def setup(self, impl):
         self._enter(("PeakMem1M", impl), lambda: lookup_bench(impl, scenario_1m(), isolate=True))
 
-    def teardown(self, impl):
-        self._leave()
 
     def peakmem_lookup_1M(self, impl):
         self.b.impl.lookup(self.req)
@@ -52,8 +50,6 @@ class KeyStrings1M(BenchState):
     def setup(self):
         self._enter(("KeyStrings1M",), lambda: lookup_bench("py", scenario_1m(), isolate=True))
 
-    def teardown(self):
-        self._leave()
 
     def peakmem_setup_only(self):
         """The RSS floor of the PeakMem1M setup (hashes, stub answer, engine), without a lookup."""

@@ -17,7 +17,7 @@ import ctypes
 import sys
 import time
 
-from .common import (DEFAULT_KEY_CACHE_BYTES, STANDARD, BenchState, Bench, StubStore, build_impl, make_request,
+from mooncake_keys.bench.scenarios import (DEFAULT_KEY_CACHE_BYTES, STANDARD, BenchState, Bench, StubStore, build_impl, make_request,
                      membership_answer)
 
 _ENV = {}
@@ -39,8 +39,8 @@ def _classes():
     store_cls = getattr(mk, "MooncakeStore", None)
     if master_cls is None or store_cls is None:
         try:
-            from mooncake_keys.local_master import LocalMaster as master_cls
-            from mooncake_keys.mooncake_store import MooncakeStore as store_cls
+            from mooncake_keys.store.local_master import LocalMaster as master_cls
+            from mooncake_keys.store.mooncake import MooncakeStore as store_cls
         except ImportError as exc:
             _skip(f"mooncake_keys.LocalMaster / mooncake_keys.MooncakeStore do not exist yet ({exc})")
     return master_cls, store_cls
@@ -134,8 +134,6 @@ class MooncakeLookup(BenchState):
         if mode == "cold":
             _forget(self.b.impl)
 
-    def teardown(self, impl, mode):
-        self._leave()
 
     def time_lookup(self, impl, mode):
         if mode == "cold":

@@ -2,8 +2,9 @@
 to per-candidate presence. c / py: ``_core.reduce_presence``; seed: the ``all()`` over
 ``res[i*R:(i+1)*R]`` into an exists set; pre: the ``present_count`` dict over one meta per key."""
 
-from . import baselines
-from .common import IMPLS, _core_namespace, grid_scenario, make_request, membership_answer, memo
+from mooncake_keys.bench import baselines
+from mooncake_keys.lookup._core import get_core
+from mooncake_keys.bench.scenarios import IMPLS, grid_scenario, make_request, membership_answer, memo
 
 
 class Reduce:
@@ -22,7 +23,7 @@ class Reduce:
                 lk = baselines.make_lookup(sc.model_name, sc.groups, sc.layout, sc.hash_block_size, False, None,
                                            state=impl)
                 _, meta = lk._build(sc.token_len, baselines.BlobBlockHashes(req.blob, req.hash_len))
-            core = _core_namespace(impl) if impl in ("c", "py") else None
+            core = get_core(impl) if impl in ("c", "py") else None
             return results, meta, core, sc.namespaces
 
         self.results, self.meta, self.core, self.r = memo(("Reduce", impl, hashes, r), build)

@@ -1,4 +1,4 @@
-"""The embedded default: one call that gives a working store.
+"""The default store: one call that gives a working store.
 
 Order: an explicit master address; ``MOONCAKE_KEYS_MASTER`` ("host:port"); a vLLM config named
 by ``MOONCAKE_CONFIG_PATH``; otherwise a :class:`LocalMaster` on 127.0.0.1 started for the
@@ -12,11 +12,11 @@ import logging
 import os
 from typing import Any, Optional
 
-from .memory_store import MemoryStore
+from .memory import MemoryStore
 
 __all__ = ["OpenStore", "open_store", "MASTER_ENV"]
 
-logger = logging.getLogger("mooncake_keys.embedded")
+logger = logging.getLogger("mooncake_keys.store")
 
 MASTER_ENV = "MOONCAKE_KEYS_MASTER"
 
@@ -88,7 +88,8 @@ def open_store(
         return OpenStore(MemoryStore(), "memory", reason=missing)
 
     from .local_master import LocalMaster
-    from .mooncake_store import CONFIG_PATH_ENV, MooncakeStore
+    from .config import CONFIG_PATH_ENV
+    from .mooncake import MooncakeStore
 
     address = master_address or os.environ.get(MASTER_ENV, "").strip() or None
     if address:

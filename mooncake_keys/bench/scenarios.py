@@ -38,31 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mooncake_keys as mk
-from mooncake_keys import _core_py
 
-def _load_sibling(name: str) -> Any:
-    """Import the sibling module ``name``.py under a private name (this file was loaded by path)."""
-    import importlib.util
-
-    full = f"_mooncake_keys_bench_{name}"
-    if full not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-        spec = importlib.util.spec_from_file_location(full, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-try:
-    from . import baselines
-except ImportError:  # loaded by file path, not as a package
-    baselines = _load_sibling("baselines")
-
-try:
-    from mooncake_keys import _core_c
-except ImportError:  # not built
-    _core_c = None
+from . import baselines
+from ..lookup import _core
 
 __all__ = [
     "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "StubStore", "Impl",
@@ -72,10 +50,8 @@ __all__ = [
 
 IMPLS = ["c", "py", "seed", "pre"]
 MODEL = "DeepSeek-V4"
-try:  # the engine's default key-cache budget: the benchmarks run the engine as users get it
-    from mooncake_keys.keycache import DEFAULT_KEY_CACHE_BYTES
-except ImportError:
-    DEFAULT_KEY_CACHE_BYTES = 64 << 20
+#: The engine's default key-cache budget: the benchmarks run the engine as users get it.
+DEFAULT_KEY_CACHE_BYTES = mk.KeyCache().max_bytes
 
 #: Rank layouts by R, the number of namespaces a chunk is looked up in.
 LAYOUTS: Dict[int, dict] = {
@@ -196,17 +172,11 @@ def _keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
     if token_len <= 0:
         return []
-    if _core_c is not None:
+    if _core.ACCELERATED:
         eng = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
                               hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                              store=StubStore([]), key_cache_bytes=0)
-        from mooncake_keys import engine as engine_mod
-
-        saved, engine_mod._core = engine_mod._core, _core_namespace("c")
-        try:
-            return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))
-        finally:
-            engine_mod._core = saved
+                              store=StubStore([]), key_cache_bytes=0, spare_key_bytes=0)
+        return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))
     return _baseline(scenario).candidate_keys(token_len, baselines.BlobBlockHashes(request.blob, request.hash_len))
 
 
@@ -246,23 +216,10 @@ class StubStore:
 
 
 # ------------------------------------------------------------------------------------ impls
-def _core_namespace(impl: str) -> Any:
-    if impl == "c":
-        if _core_c is None:
-            raise NotImplementedError("mooncake_keys._core_c is not built: no compiled core to benchmark")
-        mod = _core_c
-    else:
-        mod = _core_py
-    return types.SimpleNamespace(fill_keys=mod.fill_keys, reduce_presence=mod.reduce_presence,
-                                 __name__=mod.__name__)
-
-
 class Impl:
     """One implementation bound to one scenario and store, with a uniform call surface.
 
-    ``activate()`` / ``deactivate()`` point ``mooncake_keys.engine._core`` at this impl's core
-    (the engine reaches the core through that module global) and restore it; call them around
-    the timed code, outside the timer.
+    ``"c"`` / ``"py"`` are a :class:`mooncake_keys.LookupEngine` pinned to that core.
     """
 
     def __init__(self, impl: str, scenario: Scenario, store: Any,
@@ -272,40 +229,15 @@ class Impl:
         self.name = impl
         self.scenario = scenario
         self.store = store
-        self._saved_core: Any = None
         if impl in ("c", "py"):
-            self._core = _core_namespace(impl)
             self.engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
                                           hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                                          store=store, key_cache_bytes=key_cache_bytes)
+                                          store=store, key_cache_bytes=key_cache_bytes, core=impl)
             self.baseline = None
         else:
-            self._core = None
             self.engine = None
             self.baseline = baselines.make_lookup(scenario.model_name, scenario.groups, scenario.layout,
                                                   scenario.hash_block_size, scenario.use_eagle, store, state=impl)
-
-    # -- core switch
-    def activate(self) -> "Impl":
-        if self._core is not None and self._saved_core is None:
-            from mooncake_keys import engine as engine_mod
-
-            self._saved_core = engine_mod._core
-            engine_mod._core = self._core
-        return self
-
-    def deactivate(self) -> None:
-        if self._saved_core is not None:
-            from mooncake_keys import engine as engine_mod
-
-            engine_mod._core = self._saved_core
-            self._saved_core = None
-
-    def __enter__(self) -> "Impl":
-        return self.activate()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.deactivate()
 
     # -- calls: each wraps the request's blob as its lookup server would (a zero-copy view)
     def lookup(self, req: Request) -> int:
@@ -329,18 +261,19 @@ class Impl:
         eng = self.engine
         if eng is None:
             return
-        for owner, name in ((eng, "_plan"), (getattr(eng, "coordinator", None), "_lookup_mask")):
+        dep = eng.deployment
+        dep._chunk_tables[:] = [None] * len(dep._chunk_tables)
+        for owner, name in ((dep, "plan"), (dep.coordinator, "_lookup_mask")):
             fn = getattr(owner, name, None)
             clear = getattr(fn, "cache_clear", None)
             if clear is not None:
                 clear()
 
     def key_cache_hits(self) -> int:
-        """Chunk plus request hits of the engine's key cache so far (0 for the baselines)."""
+        """Request hits of the engine's key cache so far (0 for the baselines)."""
         if self.engine is None:
             return 0
-        st = self.engine.key_cache.stats()
-        return getattr(st, "hits", 0) + getattr(st, "request_hits", 0)
+        return self.engine.key_cache.stats().request_hits
 
 
 def build_impl(impl: str, scenario: Scenario, store: Any, key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES) -> Impl:
@@ -395,9 +328,8 @@ def prime(b: Bench, call: Callable[[Request], Any], times: int = 2) -> Any:
     """Run ``call`` on the warm request ``times`` times (the engine keeps a request on its
     second sight) with the impl's core; return the last result."""
     out = None
-    with b.impl:
-        for _ in range(times):
-            out = call(b.pool[0])
+    for _ in range(times):
+        out = call(b.pool[0])
     return out
 
 
@@ -426,25 +358,23 @@ def burn_in(b: Bench, call: Callable[[Request], Any], *, settled_calls: int = 10
 
     end = time.perf_counter() + max_seconds
     n = quiet = 0
-    with b.impl:
-        while True:
-            b.impl.forget_shapes()
-            req = b.fresh_request()
-            f0 = _minor_faults()
-            call(req)
-            f1 = _minor_faults()
-            n += 1
-            quiet = quiet + 1 if f0 is None or f1 - f0 <= max_faults else 0
-            if quiet >= settled_calls or time.perf_counter() >= end:
-                return n
+    while True:
+        b.impl.forget_shapes()
+        req = b.fresh_request()
+        f0 = _minor_faults()
+        call(req)
+        f1 = _minor_faults()
+        n += 1
+        quiet = quiet + 1 if f0 is None or f1 - f0 <= max_faults else 0
+        if quiet >= settled_calls or time.perf_counter() >= end:
+            return n
 
 
 class BenchState:
     """Base of the lookup benchmark classes. ``_enter`` (from ``setup``, which asv re-runs before
-    every sample) fetches the memoised :class:`Bench` of the current parameters into ``self.b``,
-    switches the engine's core, and picks ``self.req``, the request of the next timed call: for
-    "cold" a fresh one (and the engine forgets its per-shape caches), for "warm" the warm one.
-    ``_leave`` (from ``teardown``) restores the core."""
+    every sample) fetches the memoised :class:`Bench` of the current parameters into ``self.b``
+    and picks ``self.req``, the request of the next timed call: for "cold" a fresh one (and the
+    engine forgets its per-shape caches), for "warm" the warm one."""
 
     b: Bench
     req: Request
@@ -458,9 +388,3 @@ class BenchState:
             self.req = self.b.pool[0]
         else:
             raise ValueError(f"mode must be cold or warm, got {mode!r}")
-        self.b.impl.activate()
-
-    def _leave(self) -> None:
-        b = getattr(self, "b", None)
-        if b is not None:
-            b.impl.deactivate()

@@ -1,40 +1,24 @@
 """``mooncake_keys bench``: the standard scenarios side by side with vLLM's approaches.
 
-The baselines (``seed``: vLLM PR #46188; ``pre``: the code before it) live in the benchmark
-suite, not in the library, so this command needs a source checkout (``asv_bench/`` next to the
-package). It prints a table (ns per key, lookups/s, ratio to ``seed``), the geometric means
+The scenarios and baselines (``seed``: vLLM PR #46188; ``pre``: the code before it) live in
+``mooncake_keys.bench``, so this command works from an installed wheel. It prints a table (ns per key, lookups/s, ratio to ``seed``), the geometric means
 over the three standard scenarios, and writes a PNG plot of ns per key against keys per lookup.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..bench import scenarios as common
+from ..bench import sidebyside
+from ..lookup import _core
+
 IMPLS = ("c", "py", "seed", "pre")
 SWEEP_HASHES = (256, 1024, 4096, 16384)  # x 8 namespaces: 2k .. 131k keys per lookup
-
-
-def _suite_dir() -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(os.path.dirname(here), "asv_bench", "benchmarks")
-    return path if os.path.isfile(os.path.join(path, "sidebyside.py")) else None
-
-
-def _load(path: str, name: str) -> Any:
-    full = f"_mooncake_keys_bench_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, os.path.join(path, f"{name}.py"))
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {name}.py from {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-    return sys.modules[full]
 
 
 class _Bar:
@@ -72,10 +56,10 @@ def summarise(rows: Sequence[Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def sweep(common: Any, sidebyside: Any, repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
+def sweep(repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
     """Cold ns per key against keys per lookup, Full(64) on 8 namespaces, for each impl."""
     out: Dict[str, List[tuple]] = {impl: [] for impl in IMPLS}
-    impls = [i for i in IMPLS if i != "c" or common._core_c is not None]
+    impls = [i for i in IMPLS if i != "c" or _core._core_c is not None]
     for n in SWEEP_HASHES:
         sc = common.grid_scenario(n, 8, "full", 32)
         first = common.make_request(sc, 0)
@@ -124,20 +108,12 @@ def plot(points: Dict[str, List[tuple]], path: str) -> Optional[str]:
 
 
 def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png", out=print) -> int:
-    suite = _suite_dir()
-    if suite is None:
-        out("mooncake_keys bench needs a source checkout: the baselines live in asv_bench/benchmarks/")
-        return 2
-    common = _load(suite, "common")
-    sidebyside = _load(suite, "sidebyside")
-    from . import _core
-
     out(f"core: {'compiled' if _core.ACCELERATED else 'pure Python'}; stub store (client-side work only); "
         f"min of {repeat} rounds, implementations interleaved")
     bar = _Bar(3 * (repeat + 1) + len(SWEEP_HASHES))
     t0 = time.perf_counter()
     rows = sidebyside.run_standard(repeat=repeat, progress=bar.step)
-    points = sweep(common, sidebyside, max(2, repeat // 2), bar)
+    points = sweep(max(2, repeat // 2), bar)
     bar.close()
     out(sidebyside.format_table(rows))
     out("ratios: this implementation's time / seed's (below 1 is faster)")

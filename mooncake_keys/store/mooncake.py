@@ -1,6 +1,6 @@
 """A safe adapter over Mooncake's ``MooncakeDistributedStore`` client.
 
-The raw client has sharp edges (see ``shared/spec/mooncake-store.md``):
+The raw client has sharp edges (see ``docs/mooncake.md``):
 
 * any method called before a successful ``setup()`` or after ``close()`` is a
   SIGSEGV, not an exception;
@@ -11,68 +11,31 @@ The raw client has sharp edges (see ``shared/spec/mooncake-store.md``):
 
 :class:`MooncakeStore` keeps its own open flag, checks ``health_check()``
 before every call to the master, validates keys before the RPC and sets
-short timeouts through the client's environment variables. Its method names
-match the client's, so it is a drop-in ``store`` for a lookup engine.
-
-:class:`MooncakeStoreConfig` reads the same JSON file as vLLM's Mooncake
-store connector (path in ``MOONCAKE_CONFIG_PATH``), with vLLM's defaults.
-
-Client environment variables (process-wide; an explicit argument wins, then a
-value already exported, then ours):
-``MC_STORE_CLIENT_SETUP_RETRIES`` (ours 1) and ``MC_RPC_TIMEOUT_MS`` (ours
-2000 ms) are read by each ``setup()``; ``MC_TCP_BIND_ADDRESS`` is set to a
-loopback ``local_hostname``; ``MC_LOG_LEVEL`` (ours ERROR) is read only when
-``mooncake.store`` is first imported, so set it before any other import of it.
+short timeouts through the client's environment variables (``config``). Its
+method names match the client's, so it is a drop-in ``store`` for a lookup
+engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
-import json
 import logging
 import os
-import re
-import socket
-import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-from ._gate import CallGate
+from .keycheck import check_batch, check_key, check_keys
+from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, parse_size, set_client_env
+from .gate import CallGate, GateClosed
+from .probe import DEFAULT_PROBE_INTERVAL_S, MasterProbe
 
 __all__ = [
-    "CONFIG_PATH_ENV",
     "MooncakeStore",
-    "MooncakeStoreConfig",
     "MooncakeStoreError",
     "MooncakeStoreUnavailable",
-    "check_keys",
-    "parse_size",
 ]
 
-logger = logging.getLogger("mooncake_keys.mooncake_store")
-
-CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
-#: vLLM reads the requester's advertised hostname from this variable.
-LOCAL_HOSTNAME_ENV = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
-
-GiB = 1 << 30
-_MODES = ("embedded", "standalone-store")
-_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(gb|mb|kb|b)?")
-
-# Our defaults for the client's environment knobs, used only when neither an
-# argument nor an exported value gives one.
-#: 1 retry: setup() against no master fails in ~4.4 s instead of ~90 s.
-DEFAULT_SETUP_RETRIES = 1
-#: Bounds every RPC to a hung master (the client's default is 30 s).
-DEFAULT_RPC_TIMEOUT_MS = 2000
-
-#: Seconds between TCP probes of the master's RPC port (0 or None: no probe). The client's own
-#: ping notices a dead master after 1-5 s, and every call stalls ~4.3 s until it does; a refused
-#: connection on the master's port tells within one interval.
-DEFAULT_PROBE_INTERVAL_S = 0.05
+logger = logging.getLogger("mooncake_keys.store")
 
 #: ``ErrorCode::RPC_FAIL``: the master could not be reached for this call.
 RPC_FAIL = -900
@@ -106,150 +69,6 @@ class MooncakeStoreUnavailable(MooncakeStoreError):
             super().__init__(f"Mooncake store unavailable{where}: health_check()={health} ({reason})")
 
 
-# --------------------------------------------------------------------------- config
-
-
-def parse_size(value: Any) -> int:
-    """Parse a size in bytes the way vLLM's Mooncake connector does.
-
-    An ``int`` passes through; another non-string goes through ``int()``.
-    A string is lowercased and stripped and must read ``number[.number]
-    [gb|mb|kb|b]``: units are 1024-based, no unit means bytes, and the result
-    is truncated to whole bytes (``"1.5kb"`` is 1536).
-    """
-    if isinstance(value, int):
-        return value
-    if not isinstance(value, str):
-        return int(value)
-    text = value.lower().strip()
-    if not text:
-        raise ValueError("size must not be empty")
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"invalid size {value!r}: expected a number with an optional unit gb, mb, kb or b")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[unit or "b"])
-
-
-@dataclasses.dataclass(frozen=True)
-class MooncakeStoreConfig:
-    """vLLM's Mooncake store JSON config, with vLLM's defaults.
-
-    Sizes are in bytes. ``mode="standalone-store"`` means this client mounts
-    no segment (``global_segment_size == 0``) and only uses other clients'
-    memory. Fields the vLLM JSON may carry but this library does not use are
-    ignored when parsing.
-    """
-
-    metadata_server: str = ""
-    master_server_address: str = ""
-    protocol: str = "rdma"
-    device_name: str = ""
-    mode: Literal["embedded", "standalone-store"] = "embedded"
-    global_segment_size: int = 4 * GiB
-    local_buffer_size: int = 4 * GiB
-    enable_offload: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("global_segment_size", "local_buffer_size"):
-            try:
-                size = parse_size(getattr(self, name))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{name}: {exc}") from None
-            object.__setattr__(self, name, size)
-        if self.mode not in _MODES:
-            raise ValueError(f"mode: must be one of {_MODES}, got {self.mode!r}")
-        if self.local_buffer_size <= 0:
-            raise ValueError(f"local_buffer_size: must be > 0, got {self.local_buffer_size}")
-        if self.mode == "embedded" and self.global_segment_size <= 0:
-            raise ValueError(
-                f"global_segment_size: must be > 0 in embedded mode, got {self.global_segment_size}"
-            )
-        if self.mode == "standalone-store" and self.global_segment_size != 0:
-            raise ValueError(
-                f"global_segment_size: must be 0 in standalone-store mode, got {self.global_segment_size}"
-            )
-
-    @classmethod
-    def loopback(cls, master_server_address: str) -> MooncakeStoreConfig:
-        """Our defaults for one machine: P2P handshake, TCP, a 64 MiB segment
-        and a 16 MiB buffer (the same as :meth:`MooncakeStore.connect`)."""
-        return cls(
-            metadata_server="P2PHANDSHAKE",
-            master_server_address=master_server_address,
-            protocol="tcp",
-            global_segment_size=64 << 20,
-            local_buffer_size=16 << 20,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON object vLLM reads (write it to ``MOONCAKE_CONFIG_PATH``)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MooncakeStoreConfig:
-        """Build from a parsed JSON object; unknown keys are ignored."""
-        if not isinstance(data, dict):
-            raise ValueError(f"Mooncake config must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> MooncakeStoreConfig:
-        """Read a vLLM Mooncake JSON config file."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
-
-    @classmethod
-    def from_env(cls) -> MooncakeStoreConfig:
-        """Read the file named by ``MOONCAKE_CONFIG_PATH``, as vLLM does."""
-        path = os.environ.get(CONFIG_PATH_ENV)
-        if not path:
-            raise ValueError(f"The environment variable '{CONFIG_PATH_ENV}' is not set.")
-        return cls.from_file(path)
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def check_keys(keys: Sequence[str]) -> list[str]:
-    """Return ``keys`` as a list after checking that the client can send them.
-
-    ``keys`` must be a list or tuple of ``str`` each encodable as strict
-    UTF-8 (no lone surrogates). The client would raise on the whole batch,
-    or accept ``bytes`` as an alias of the same key; we refuse both up front
-    with a ``TypeError`` naming the first bad index.
-    """
-    if not isinstance(keys, (list, tuple)):
-        raise TypeError(f"keys must be a list or tuple of str, got {type(keys).__name__}")
-    try:
-        # Fast path, one C-level pass: ~1.3 ms for 100k ASCII keys.
-        if all(map(str.isascii, keys)):
-            return keys if isinstance(keys, list) else list(keys)
-    except TypeError:  # a non-str element: find it below
-        pass
-    for i, key in enumerate(keys):
-        if not isinstance(key, str):
-            raise TypeError(f"keys[{i}] must be str, got {type(key).__name__}")
-        if not key.isascii():
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise TypeError(f"keys[{i}] is not valid UTF-8 ({exc.reason} at position {exc.start})") from None
-    return keys if isinstance(keys, list) else list(keys)
-
-
-def _check_key(key: str) -> None:
-    check_keys((key,))
-
-
-def _check_batch(keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[str]:
-    checked = check_keys(keys)
-    if not len(checked) == len(ptrs) == len(sizes):
-        raise ValueError(f"keys, ptrs and sizes differ in length: {len(checked)}, {len(ptrs)}, {len(sizes)}")
-    return checked
-
-
 # --------------------------------------------------------------------------- import
 
 
@@ -272,34 +91,6 @@ def _import_client_class() -> type:
             ) from exc
         raise ImportError(f"Cannot import mooncake.store: {exc}") from exc
     return MooncakeDistributedStore
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _set_client_env(local_hostname: str, setup_retries: int | None, rpc_timeout_ms: int | None) -> None:
-    """Set the process-wide variables the client reads at setup.
-
-    An explicit argument overrides the environment; ``None`` keeps a value
-    the user exported and falls back to our default otherwise.
-    """
-    if _is_loopback(local_hostname):
-        # Else the transfer engine advertises the first non-loopback NIC.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1" if local_hostname == "localhost" else local_hostname)
-    for name, value, default in (
-        ("MC_STORE_CLIENT_SETUP_RETRIES", setup_retries, DEFAULT_SETUP_RETRIES),
-        ("MC_RPC_TIMEOUT_MS", rpc_timeout_ms, DEFAULT_RPC_TIMEOUT_MS),
-    ):
-        if value is not None:
-            os.environ[name] = str(int(value))
-        else:
-            os.environ.setdefault(name, str(default))
 
 
 # --------------------------------------------------------------------------- store
@@ -337,8 +128,7 @@ class MooncakeStore:
         self._client = client
         self.master_address = master_address
         self._gate = CallGate()
-        self._closed = threading.Event()
-        self._probe = _MasterProbe.start_for(master_address, probe_interval_s)
+        self._probe = MasterProbe.start_for(master_address, probe_interval_s)
 
     # ----------------------------------------------------------- construction
 
@@ -373,7 +163,7 @@ class MooncakeStore:
         segment, buffer = parse_size(global_segment_size), parse_size(local_buffer_size)
         if segment < 0 or buffer < 0:
             raise ValueError(f"sizes must be >= 0, got segment {segment}, buffer {buffer}")
-        _set_client_env(local_hostname, setup_retries, rpc_timeout_ms)
+        set_client_env(local_hostname, setup_retries, rpc_timeout_ms)
         client = _import_client_class()()
         started = time.monotonic()
         rc = client.setup(local_hostname, metadata_server, segment, buffer, protocol, device_name, master_address)
@@ -425,33 +215,26 @@ class MooncakeStore:
 
     # ----------------------------------------------------------- guard
 
-    def _enter(self, check_health: bool = True) -> Any:
-        if not self._gate.enter():
-            raise MooncakeStoreError("store is closed")
-        if check_health:
-            if self._probe is not None and self._probe.down:
-                self._gate.leave()
-                raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
-            health = self._client.health_check()
-            if health != HEALTHY:
-                self._gate.leave()
-                raise MooncakeStoreUnavailable(health, self.master_address)
-        return self._client
-
-    def _leave(self) -> None:
-        self._gate.leave()
-
     def _call(self, method: str, *args: Any, check_health: bool = True) -> Any:
-        client = self._enter(check_health)
         try:
-            result = getattr(client, method)(*args)
-        finally:
-            self._leave()
+            with self._gate.call("store"):
+                if check_health:
+                    self._check_health()
+                result = getattr(self._client, method)(*args)
+        except GateClosed:
+            raise MooncakeStoreError("store is closed") from None
         if self._probe is not None and _rpc_failed(result):
             # The master just dropped the connection: the next calls would stall ~4.3 s each
             # until the client's ping notices. Refuse them until a probe reaches the master.
             self._probe.suspect(f"{method} returned {RPC_FAIL} (RPC_FAIL)")
         return result
+
+    def _check_health(self) -> None:
+        if self._probe is not None and self._probe.down:
+            raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
+        health = self._client.health_check()
+        if health != HEALTHY:
+            raise MooncakeStoreUnavailable(health, self.master_address)
 
     # ----------------------------------------------------------- state
 
@@ -466,28 +249,23 @@ class MooncakeStore:
 
     def health_check(self) -> int:
         """0 healthy, 1 not initialised or closed, 2 master unreachable (cached, < 1 µs)."""
-        if not self._gate.enter():
-            return NOT_INITIALISED
         try:
-            return self._client.health_check()
-        finally:
-            self._gate.leave()
+            with self._gate.call("store"):
+                return self._client.health_check()
+        except GateClosed:
+            return NOT_INITIALISED
 
     def close(self) -> None:
         """Close the client once in-flight calls end. Idempotent; takes ~1-2 s.
 
         Closing unmounts this client's segment: objects stored there vanish.
         """
-        first = self._gate.close()
-        if first and self._probe is not None:
+        self._gate.close(self._close_client)
+
+    def _close_client(self) -> None:
+        if self._probe is not None:
             self._probe.stop()
-        if not first:
-            self._closed.wait()
-            return
-        try:
-            self._client.close()
-        finally:
-            self._closed.set()
+        self._client.close()
 
     def __enter__(self) -> MooncakeStore:
         return self
@@ -517,7 +295,7 @@ class MooncakeStore:
 
     def is_exist(self, key: str) -> int:
         """1 exists, 0 missing, negative on error."""
-        _check_key(key)
+        check_key(key)
         return self._call("is_exist", key)
 
     def put(self, key: str, value: bytes | bytearray | memoryview) -> int:
@@ -525,19 +303,19 @@ class MooncakeStore:
 
         A put of an existing key returns 0 but keeps the old value.
         """
-        _check_key(key)
+        check_key(key)
         if isinstance(value, str):
             raise TypeError("value must be bytes-like, not str")
         return self._call("put", key, value)
 
     def get(self, key: str) -> bytes:
         """The value, or ``b""`` when the key is missing or the read failed."""
-        _check_key(key)
+        check_key(key)
         return self._call("get", key)
 
     def remove(self, key: str, force: bool = False) -> int:
         """0 removed, -704 missing, -706 under a read lease (unless ``force``)."""
-        _check_key(key)
+        check_key(key)
         return self._call("remove", key, force)
 
     def remove_all(self, force: bool = True) -> int:
@@ -557,14 +335,14 @@ class MooncakeStore:
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Put ``sizes[i]`` bytes from registered address ``ptrs[i]``; per key 0 or < 0."""
-        checked = _check_batch(keys, ptrs, sizes)
+        checked = check_batch(keys, ptrs, sizes)
         if not checked:
             return []
         return self._call("batch_put_from", checked, list(ptrs), list(sizes))
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read into registered buffers; per key the bytes read or a negative code."""
-        checked = _check_batch(keys, ptrs, sizes)
+        checked = check_batch(keys, ptrs, sizes)
         if not checked:
             return []
         return self._call("batch_get_into", checked, list(ptrs), list(sizes))
@@ -576,58 +354,6 @@ def _rpc_failed(result: Any) -> bool:
     return isinstance(result, list) and bool(result) and result[0] == RPC_FAIL and all(
         r == RPC_FAIL for r in result
     )
-
-
-class _MasterProbe(threading.Thread):
-    """Connects to the master's RPC port every ``interval`` s; ``down`` while that fails."""
-
-    def __init__(self, host: str, port: int, interval: float) -> None:
-        super().__init__(name=f"mooncake-probe-{host}:{port}", daemon=True)
-        self.address = (host, port)
-        self.interval = interval
-        self.down = False
-        self.reason = ""
-        self._stop_event = threading.Event()
-        self._wake = threading.Event()
-
-    @classmethod
-    def start_for(cls, master_address: str, interval: float | None) -> "_MasterProbe | None":
-        if not interval or interval <= 0:
-            return None
-        host, sep, port = master_address.rpartition(":")
-        if not sep or not port.isdigit() or "://" in master_address or ";" in master_address:
-            return None  # HA / etcd addresses: leave it to the client's own ping
-        probe = cls(host.strip("[]"), int(port), interval)
-        probe.start()
-        return probe
-
-    def suspect(self, reason: str) -> None:
-        """Mark the master down now and re-probe at once (a live master clears it within µs)."""
-        if not self.down:
-            logger.warning("Mooncake master %s:%d suspected down: %s", *self.address, reason)
-        self.reason = reason
-        self.down = True
-        self._wake.set()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self._wake.clear()
-            try:
-                with socket.create_connection(self.address, timeout=max(self.interval, 0.5)):
-                    pass
-                if self.down:
-                    logger.info("Mooncake master %s:%d answers again", *self.address)
-                self.down, self.reason = False, ""
-            except OSError as exc:
-                if not self.down:
-                    logger.warning("Mooncake master %s:%d unreachable: %s", *self.address, exc)
-                self.reason = f"TCP probe of the master: {exc.strerror or exc}"
-                self.down = True
-            self._wake.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self._wake.set()
 
 
 def _close_quietly(client: Any) -> None:

@@ -10,15 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from .._checks import MAX_TOKENS, bool_arg, int_arg
+
 __all__ = ["FullAttentionSpec", "SlidingWindowSpec", "KVCacheGroup", "KVCacheSpec"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -28,7 +22,7 @@ class FullAttentionSpec:
     block_size: int
 
     def __post_init__(self) -> None:
-        _positive_int("block_size", self.block_size)
+        int_arg("block_size", self.block_size, min=1, max=MAX_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -39,8 +33,8 @@ class SlidingWindowSpec:
     sliding_window: int
 
     def __post_init__(self) -> None:
-        _positive_int("block_size", self.block_size)
-        _positive_int("sliding_window", self.sliding_window)
+        int_arg("block_size", self.block_size, min=1, max=MAX_TOKENS)
+        int_arg("sliding_window", self.sliding_window, min=1, max=MAX_TOKENS)
 
     def blocks_needed(self, eagle: bool) -> int:
         """Chunks a hit must end with: ceil((window - 1) / block_size), one more with EAGLE."""
@@ -63,5 +57,4 @@ class KVCacheGroup:
                 "spec must be a FullAttentionSpec or a SlidingWindowSpec, "
                 f"got {type(self.spec).__name__}"
             )
-        if not isinstance(self.is_eagle_group, bool):
-            raise TypeError("is_eagle_group must be a bool")
+        bool_arg("is_eagle_group", self.is_eagle_group)

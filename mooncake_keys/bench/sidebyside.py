@@ -1,10 +1,7 @@
 """The implementations side by side on the standard scenarios, in one process, without asv.
 
-    >>> from benchmarks.sidebyside import run_standard, format_table   # asv_bench/ on sys.path
+    >>> from mooncake_keys.bench.sidebyside import run_standard, format_table
     >>> print(format_table(run_standard()))
-
-or ``python -m benchmarks.sidebyside`` from ``asv_bench/``. The module also loads by file path
-(``importlib.util.spec_from_file_location``), as a command that ships without asv would do.
 
 For every standard scenario (``common.STANDARD``) and mode (cold: requests the engine has never
 seen, made before the timer, plan caches cleared; warm: the same request again, in steady
@@ -22,20 +19,8 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-try:
-    from . import common
-except ImportError:  # loaded by file path, not as a package: siblings under private names
-    import importlib.util
-    import os
-    import sys
-
-    _name = "_mooncake_keys_bench_common"
-    if _name not in sys.modules:
-        _spec = importlib.util.spec_from_file_location(
-            _name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
-        sys.modules[_name] = importlib.util.module_from_spec(_spec)
-        _spec.loader.exec_module(sys.modules[_name])
-    common = sys.modules[_name]  # type: ignore[assignment]
+from . import scenarios as common
+from ..lookup import _core
 
 __all__ = ["run_standard", "format_table"]
 
@@ -45,7 +30,7 @@ Progress = Optional[Callable[[str], Any]]
 def _available(impls: Sequence[str]) -> List[str]:
     out = []
     for impl in impls:
-        if impl == "c" and common._core_c is None:
+        if impl == "c" and _core._core_c is None:
             continue  # no compiled core: no "c" rows
         out.append(impl)
     return out
@@ -62,10 +47,9 @@ def _minor_faults() -> int:
 def _sample_ns(runner: "common.Impl", reqs: Sequence["common.Request"], cold: bool) -> Tuple[int, int]:
     """Wall time of one batch of lookups in ns, and the minor page faults it took.
 
-    The core switch stays outside the timer; for cold lookups so does forgetting the shapes
-    (each call is timed on its own)."""
+    For cold lookups forgetting the shapes stays outside the timer (each call is timed on its
+    own)."""
     lookup, forget = runner.lookup, runner.forget_shapes
-    runner.activate()
     gc_was = gc.isenabled()
     gc.disable()
     try:
@@ -87,7 +71,6 @@ def _sample_ns(runner: "common.Impl", reqs: Sequence["common.Request"], cold: bo
     finally:
         if gc_was:
             gc.enable()
-        runner.deactivate()
 
 
 def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[str] = tuple(common.IMPLS),
@@ -116,8 +99,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
         keys = len(store.answer)
         hits = {}
         for impl, runner in runners.items():  # twice: the engine keeps a request on its second sight
-            with runner:
-                hits[impl] = [runner.lookup(first) for _ in range(2)][-1]
+            hits[impl] = [runner.lookup(first) for _ in range(2)][-1]
         if len(set(hits.values())) != 1:
             raise RuntimeError(f"scenario {sname}: implementations disagree on the hit: {hits}")
         # Batch sizes from one warm calibration lookup each (a cold lookup is slower: fewer calls).

@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
+from .._checks import bool_arg, int_arg
+
 __all__ = ["ParallelLayout", "Namespace"]
 
 #: (tp_rank, pcp_rank, dcp_rank, pp_rank) as it appears in a key.
 Namespace = Tuple[int, int, int, int]
+
+#: The most ranks (tp x pp x pcp) one layout may have, and the largest head count: a lookup
+#: asks one key per namespace, so a made-up size must not make it build millions of prefixes.
+MAX_RANKS = 4096
 
 
 @dataclass(frozen=True)
@@ -27,13 +33,13 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "pcp_size", "dcp_size", "num_kv_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if not isinstance(self.use_mla, bool):
-            raise TypeError("use_mla must be a bool")
+            int_arg(name, getattr(self, name), min=1, max=MAX_RANKS)
+        bool_arg("use_mla", self.use_mla)
+        if self.tp_size * self.pp_size * self.pcp_size > MAX_RANKS:
+            raise ValueError(
+                f"tp_size x pp_size x pcp_size ({self.tp_size * self.pp_size * self.pcp_size}) "
+                f"must be <= {MAX_RANKS}"
+            )
         if self.tp_size % self.dcp_size:
             raise ValueError(f"dcp_size ({self.dcp_size}) must divide tp_size ({self.tp_size})")
         heads, tp = self.heads, self.tp_size
@@ -75,11 +81,24 @@ class ParallelLayout:
             ("dcp_rank", dcp_rank, self.dcp_size),
             ("pp_rank", pp_rank, self.pp_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            int_arg(name, value)
             if not 0 <= value < size:
                 raise ValueError(f"{name} must be in [0, {size}), got {value}")
         return (tp_rank // self.put_step, pcp_rank, dcp_rank, pp_rank)
+
+    def check_rank(self, rank: object) -> Namespace:
+        """``rank`` as a (tp, pcp, dcp, pp) tuple of a rank of this layout; else TypeError/ValueError."""
+        if isinstance(rank, (str, bytes)) or not isinstance(rank, (tuple, list)) or len(rank) != 4:
+            raise TypeError(f"rank must be a (tp, pcp, dcp, pp) tuple of 4 ints, got {rank!r}")
+        coords = tuple(rank)
+        self.writer_namespace(*coords)  # TypeError / ValueError naming the coordinate out of range
+        tp, _, dcp, _ = coords
+        if dcp != (tp % self.dcp_size if self.dcp_size > 1 else 0):
+            raise ValueError(
+                f"rank {coords} is not a rank of the layout: under DCP the dcp rank must be "
+                f"tp_rank % dcp_size ({self.dcp_size})"
+            )
+        return coords  # type: ignore[return-value]
 
     def ranks(self) -> Tuple[Namespace, ...]:
         """Coordinates (tp, pcp, dcp, pp) of every rank; under DCP, dcp = tp % dcp_size."""

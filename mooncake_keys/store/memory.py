@@ -7,20 +7,12 @@ import ctypes
 import threading
 from typing import Dict, List, Sequence
 
+from .keycheck import check_key, check_keys
+
 __all__ = ["MemoryStore"]
 
 OBJECT_NOT_FOUND = -704
 INVALID_PARAMS = -600
-
-
-def _check_key(key: object, where: str) -> str:
-    if not isinstance(key, str):
-        raise TypeError(f"{where} must be a str, got {type(key).__name__}")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise TypeError(f"{where} is not valid UTF-8 (lone surrogate?): {key!r}") from None
-    return key
 
 
 class MemoryStore:
@@ -42,7 +34,7 @@ class MemoryStore:
 
     def put(self, key: str, value: bytes = b"\x01") -> int:
         """Store ``value`` under ``key`` unless it exists (Mooncake's put does not overwrite)."""
-        _check_key(key, "key")
+        check_key(key)
         value = bytes(value)
         if not key or not value:
             return INVALID_PARAMS
@@ -50,37 +42,21 @@ class MemoryStore:
             self._data.setdefault(key, value)
         return 0
 
-    def put_batch(self, keys: Sequence[str], values: Sequence[bytes]) -> int:
-        if len(keys) != len(values):
-            raise ValueError("keys and values must have the same length")
-        for i, (k, v) in enumerate(zip(keys, values)):
-            rc = self.put(k, v)
-            if rc:
-                return rc
-        return 0
-
     def get(self, key: str) -> bytes:
-        _check_key(key, "key")
+        check_key(key)
         return self._data.get(key, b"")
 
     def is_exist(self, key: str) -> int:
-        _check_key(key, "key")
+        check_key(key)
         return 1 if key in self._data else 0
 
     def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
         """1 for each key that exists, 0 otherwise, in order."""
-        if not isinstance(keys, (list, tuple)):
-            raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
         data = self._data
-        try:
-            return [1 if k in data else 0 for k in keys]
-        except TypeError:
-            for i, k in enumerate(keys):
-                _check_key(k, f"keys[{i}]")
-            raise
+        return [1 if k in data else 0 for k in check_keys(keys)]
 
     def remove(self, key: str, force: bool = False) -> int:
-        _check_key(key, "key")
+        check_key(key)
         with self._lock:
             return 0 if self._data.pop(key, None) is not None else OBJECT_NOT_FOUND
 
@@ -109,7 +85,7 @@ class MemoryStore:
         """Copy each value to its address; bytes read, -704 if missing, -600 if it does not fit."""
         out = []
         for k, p, n in zip(keys, buffer_ptrs, sizes):
-            v = self._data.get(_check_key(k, "key"))
+            v = self._data.get(check_key(k))
             if v is None:
                 out.append(OBJECT_NOT_FOUND)
             elif len(v) > n:

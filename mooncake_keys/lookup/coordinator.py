@@ -12,14 +12,13 @@ presence by (group, hash) while this coordinator keys it by (group, chunk).
 from __future__ import annotations
 
 from functools import lru_cache
-from math import lcm
 from typing import List, Optional, Sequence, Tuple, Union
 
 from .specs import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 
 Presence = Union[bytes, bytearray]  # one byte per chunk: 1 present, 0 absent
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "Presence"]
 
 Mask = Optional[List[bool]]
 
@@ -80,20 +79,18 @@ def sliding_window_hit(
 class Coordinator:
     """Lookup masks and the longest usable hit for a list of KV-cache groups.
 
-    Sizes are in tokens: ``scheduler_block_size`` is the lcm alignment of hybrid hits,
-    ``hash_block_size`` the tokens per request hash.
+    Sizes are in tokens: ``scheduler_block_size`` is the alignment of hybrid hits (by default
+    the lcm of the group block sizes).
     """
 
     def __init__(
         self,
         groups: Sequence[KVCacheGroup],
         scheduler_block_size: int,
-        hash_block_size: int,
         use_eagle: bool = False,
     ) -> None:
         self.groups: Tuple[KVCacheGroup, ...] = tuple(groups)
-        self.lcm_block_size = scheduler_block_size
-        self.hash_block_size = hash_block_size
+        self.scheduler_block_size = scheduler_block_size
         self.use_eagle = use_eagle
         # Flagged groups count as EAGLE groups; with use_eagle and none flagged, all do.
         flagged = {g for g, grp in enumerate(self.groups) if grp.is_eagle_group}
@@ -126,10 +123,10 @@ class Coordinator:
         Full attention asks every chunk; a sliding-window group only the ``need`` chunks before
         each lcm boundary (dense boundaries: the retention interval plays no part here).
         """
-        if token_len % self.lcm_block_size:
+        if token_len % self.scheduler_block_size:
             raise ValueError(
                 f"token_len ({token_len}) must be a multiple of the scheduler block size "
-                f"({self.lcm_block_size})"
+                f"({self.scheduler_block_size})"
             )
         return self._lookup_mask(token_len)
 
@@ -143,7 +140,7 @@ class Coordinator:
             eagle = g in self.eagle_group_ids
             need = spec.blocks_needed(eagle)
             shift = 1 if eagle else 0
-            per = self.lcm_block_size // spec.block_size
+            per = self.scheduler_block_size // spec.block_size
             if need >= per:
                 masks.append(None)
                 continue
@@ -181,7 +178,7 @@ class Coordinator:
             spec, ids = attn[0]
             p = self._attention_presence(presence, ids)
             return self._manager_hit(spec, p, max_length, spec.block_size, 0 in eagle) * spec.block_size
-        lcm_bs = self.lcm_block_size
+        lcm_bs = self.scheduler_block_size
         simple = len(attn) == 2 and isinstance(attn[0][0], FullAttentionSpec)
         views = [self._attention_presence(presence, ids) for _, ids in attn]
         hit_length = max_length
@@ -211,8 +208,3 @@ class Coordinator:
             if simple:
                 break
         return hit_length
-
-
-def scheduler_block_size_for(groups: Sequence[KVCacheGroup]) -> int:
-    """The lcm of the group block sizes (tokens)."""
-    return lcm(*(grp.spec.block_size for grp in groups))

@@ -14,23 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .._checks import int_arg, str_arg
+
 __all__ = ["KeyMetadata", "PoolKey", "model_name_from_path"]
 
 _SEP = "@"
-
-
-def _check_rank(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
-def _check_str(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    return value
 
 
 @dataclass(frozen=True, order=True)
@@ -46,10 +34,10 @@ class KeyMetadata:
     cache_prefix: str = ""
 
     def __post_init__(self) -> None:
-        _check_str("model_name", self.model_name)
-        _check_str("cache_prefix", self.cache_prefix)
+        str_arg("model_name", self.model_name)
+        str_arg("cache_prefix", self.cache_prefix)
         for name in ("tp_rank", "pcp_rank", "dcp_rank", "pp_rank", "group_id"):
-            _check_rank(name, getattr(self, name))
+            int_arg(name, getattr(self, name), min=0)
 
 
 @dataclass(frozen=True, order=True)
@@ -72,10 +60,10 @@ class PoolKey:
         pp_rank: Optional[int] = None,
     ) -> str:
         """The key up to and including ``@group:<G>``; each override that is None falls back to ``md``."""
-        tp = md.tp_rank if tp_rank is None else _check_rank("tp_rank", tp_rank)
-        pcp = md.pcp_rank if pcp_rank is None else _check_rank("pcp_rank", pcp_rank)
-        dcp = md.dcp_rank if dcp_rank is None else _check_rank("dcp_rank", dcp_rank)
-        pp = md.pp_rank if pp_rank is None else _check_rank("pp_rank", pp_rank)
+        tp = md.tp_rank if tp_rank is None else int_arg("tp_rank", tp_rank, min=0)
+        pcp = md.pcp_rank if pcp_rank is None else int_arg("pcp_rank", pcp_rank, min=0)
+        dcp = md.dcp_rank if dcp_rank is None else int_arg("dcp_rank", dcp_rank, min=0)
+        pp = md.pp_rank if pp_rank is None else int_arg("pp_rank", pp_rank, min=0)
         head = md.cache_prefix + _SEP if md.cache_prefix else ""
         return (
             f"{head}{md.model_name}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}"
@@ -95,4 +83,4 @@ def key_head(prefix: str) -> str:
 
 def model_name_from_path(model: str) -> str:
     """vLLM's key model name: the last ``/`` part of the model path or hub id."""
-    return _check_str("model", model).rstrip("/").split("/")[-1]
+    return str_arg("model", model).rstrip("/").split("/")[-1]

@@ -15,10 +15,10 @@ import time
 from array import array
 from typing import Any, Callable, Dict, List
 
-from . import _core
-from .engine import LookupEngine
-from .layout import ParallelLayout
-from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from ..lookup import _core
+from ..lookup.engine import LookupEngine
+from ..lookup.layout import ParallelLayout
+from ..lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
 MODEL = "demo-hybrid-8B"
 GROUPS = (KVCacheGroup(FullAttentionSpec(256)), KVCacheGroup(SlidingWindowSpec(64, 128)))
@@ -71,8 +71,8 @@ def run_demo(num_requests: int = 300, seed: int = 0, store: Any = None,
     """Run the workload on ``store`` (default: :func:`open_store`); return the figures."""
     import torch
 
-    from .embedded import open_store
-    from .kvpool import KVPool
+    from ..kvpool import KVPool
+    from ..store.default import open_store
 
     opened = None
     if store is None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 __all__ = ["LocalMaster", "LocalMasterError", "find_master_executable"]
 
-logger = logging.getLogger("mooncake_keys.local_master")
+logger = logging.getLogger("mooncake_keys.store")
 
 HOST = "127.0.0.1"
 _EXE = "mooncake_master"

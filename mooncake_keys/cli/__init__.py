@@ -1,0 +1,44 @@
+"""The command line: ``mooncake_keys {demo,bench}`` (also ``python -m mooncake_keys``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mooncake_keys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="a simulated serving workload: save, lookup, load")
+    demo.add_argument("--requests", type=_positive_int, default=300, help="number of prompts (default 300)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--memory", action="store_true", help="use the in-process MemoryStore, not Mooncake")
+    bench = sub.add_parser("bench", help="the standard scenarios, side by side with vLLM's approaches")
+    bench.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats per case (min is kept)")
+    bench.add_argument("--quick", action="store_true", help="one short round: a smoke run (about 10 s)")
+    bench.add_argument("--plot", default="docs/ns_per_key.png", help="where to write the PNG plot")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        from ..store.memory import MemoryStore
+        from .demo import run_demo
+
+        summary = run_demo(args.requests, args.seed, store=MemoryStore() if args.memory else None)
+        return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0
+    from .bench import run_bench
+
+    return run_bench(repeat=1 if args.quick else args.repeat, plot_path=args.plot)
+
+

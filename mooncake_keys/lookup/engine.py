@@ -1,0 +1,252 @@
+"""The lookup engine: block hashes in, hit length in tokens out, with one ``batch_is_exist``.
+
+A lookup (vLLM's ``MooncakeStoreWorker.lookup``, PCP/DCP-correct as of vLLM #46855):
+
+1. the deployment's plan: per group, the chunks to ask (those with a hash, below
+   ``token_len``, allowed by the group's lookup mask, not wholly below ``skip_tokens``);
+2. one key per (group, chunk, namespace), ordered group -> chunk -> namespace (memoised for a
+   repeated request by the key cache);
+3. one ``store.batch_is_exist(keys)``;
+4. a chunk is present when every namespace answered 1 (the core's reduction);
+5. the coordinator turns per-group chunk presence into the longest usable hit.
+
+The store-fault policy lives here, in :meth:`LookupEngine._ask`: whatever the store does, the
+lookup answers 0 with one warning line on the ``mooncake_keys`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+from .._checks import int_arg
+from .deployment import Deployment, GroupLike, LookupPlan
+from .hashes import BlockHashes, as_block_hashes
+from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
+from .layout import ParallelLayout
+
+__all__ = ["LookupEngine", "LookupStats"]
+
+logger = logging.getLogger("mooncake_keys.lookup")
+
+
+@dataclass(frozen=True)
+class LookupStats:
+    """Counters since the engine was made: lookups answered, store calls, keys sent, hit tokens."""
+
+    lookups: int
+    store_calls: int
+    store_failures: int
+    keys_sent: int
+    hit_tokens: int
+
+
+class LookupEngine:
+    """Prefix-cache lookups for one deployment (model, KV-cache groups, rank layout).
+
+    Sizes are in tokens: ``hash_block_size`` tokens per request hash, group block sizes per
+    chunk, ``scheduler_block_size`` (default: lcm of the group block sizes) per aligned hit.
+    ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``.
+    ``key_cache_bytes`` bounds the memoised keys of repeated requests and ``spare_key_bytes``
+    the strings kept for reuse (0 turns either off; see :class:`KeyCache`). ``core`` pins the
+    core: ``"c"`` (compiled) or ``"py"`` (pure Python); None takes the active one.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        groups: Sequence[GroupLike],
+        layout: ParallelLayout,
+        *,
+        hash_block_size: int,
+        scheduler_block_size: Optional[int] = None,
+        use_eagle: bool = False,
+        cache_prefix: str = "",
+        store: Any,
+        key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
+        spare_key_bytes: int = DEFAULT_SPARE_BYTES,
+        core: Optional[str] = None,
+    ) -> None:
+        if not callable(getattr(store, "batch_is_exist", None)):
+            raise TypeError("store must have a batch_is_exist(list[str]) -> list[int] method")
+        self.deployment = Deployment(
+            model_name, groups, layout, hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
+            cache_prefix=cache_prefix, core=core,
+        )
+        self.store = store
+        self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=self.deployment.core.REUSES_STRINGS)
+        heads = self.deployment.lookup_heads
+        # The longest key head of each group (characters): key sizes are estimated from it.
+        self._head_chars = tuple(max(map(len, hs)) for hs in heads)
+        self._stats_lock = threading.Lock()
+        self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
+
+    # Read-only views of the deployment, for callers and docs.
+    @property
+    def model_name(self) -> str:
+        return self.deployment.model_name
+
+    @property
+    def cache_prefix(self) -> str:
+        return self.deployment.cache_prefix
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.deployment.layout
+
+    @property
+    def groups(self) -> Tuple[Any, ...]:
+        return self.deployment.groups
+
+    @property
+    def hash_block_size(self) -> int:
+        return self.deployment.hash_block_size
+
+    @property
+    def scheduler_block_size(self) -> int:
+        return self.deployment.scheduler_block_size
+
+    @property
+    def coordinator(self) -> Any:
+        return self.deployment.coordinator
+
+    @property
+    def namespaces(self) -> Tuple[Tuple[int, int, int, int], ...]:
+        return self.deployment.namespaces
+
+    @property
+    def prefixes(self) -> Tuple[Tuple[str, ...], ...]:
+        """Per group, the key prefix of every lookup namespace, in namespace order."""
+        return self.deployment.lookup_prefixes
+
+    # --------------------------------------------------------------------------- steps
+    def _prepare(self, token_len: Any, block_hashes: Any, skip_tokens: Any) -> Optional[Tuple[BlockHashes, LookupPlan]]:
+        token_len = int_arg("token_len", token_len)
+        skip_tokens = int_arg("skip_tokens", skip_tokens, min=0)
+        hashes = as_block_hashes(block_hashes)
+        if not len(hashes) or token_len <= 0:
+            return None
+        sbs = self.deployment.scheduler_block_size
+        if token_len % sbs:
+            raise ValueError(
+                f"token_len ({token_len}) must be a multiple of the scheduler block size ({sbs})"
+            )
+        return hashes, self.deployment.plan(token_len, len(hashes), skip_tokens)
+
+    def _keys(self, token_len: int, skip_tokens: int, hashes: BlockHashes, plan: LookupPlan) -> List[str]:
+        """The keys of a lookup, group -> chunk -> namespace (memoised for a repeated request)."""
+        cache = self.key_cache
+        hl = hashes.hash_len
+        blob = hashes.blob
+        fingerprint = (token_len, skip_tokens, hl, len(hashes), blob[-hl:].tobytes())
+        keys = cache.get(fingerprint, blob)
+        if keys is not None:
+            return keys
+        dep = self.deployment
+        keys = [None] * sum(len(p.asked) * len(dep.lookup_heads[g]) for g, p in enumerate(plan.groups))
+        spare = cache.take_spare()
+        pos = size = 0
+        for g, p in enumerate(plan.groups):
+            if len(p.asked):
+                heads = dep.lookup_heads[g]
+                pos = dep.fill_keys(keys, pos, heads, hashes, p.index, spare)
+                size += key_bytes(len(p.asked) * len(heads), self._head_chars[g] + 2 * hl)
+        if keys:
+            cache.keep(fingerprint, blob, keys, size)
+        return keys
+
+    def _ask(self, keys: List[str], plan: LookupPlan) -> Optional[bytes]:
+        """One ``batch_is_exist``; per asked chunk 1 when all its namespaces answered 1.
+
+        The store-fault policy: an exception, an answer that is not a list or tuple, or one of
+        the wrong length gives None (the lookup answers 0) and one warning line.
+        """
+        try:
+            results = self.store.batch_is_exist(keys)
+        except Exception as exc:  # the scheduler must never crash on a store fault
+            logger.warning("lookup answered 0: batch_is_exist of %d keys raised %s: %s",
+                           len(keys), type(exc).__name__, exc)
+            return None
+        if not isinstance(results, (list, tuple)):
+            logger.warning("lookup answered 0: batch_is_exist returned %s, not a list",
+                           type(results).__name__)
+            return None
+        try:
+            if type(results) is not list:
+                results = list(results)  # a tuple, or a subclass: its items, read once
+            if len(results) != len(keys):
+                logger.warning("lookup answered 0: batch_is_exist returned %d results for %d keys",
+                               len(results), len(keys))
+                return None
+            return self._reduce(results, plan)
+        except Exception as exc:  # a list subclass that fails to iterate, ...
+            logger.warning("lookup answered 0: the answer of batch_is_exist could not be read: %s: %s",
+                           type(exc).__name__, exc)
+            return None
+
+    def _reduce(self, results: list, plan: LookupPlan) -> bytes:
+        dep = self.deployment
+        rs = {len(dep.lookup_heads[g]) for g, p in enumerate(plan.groups) if len(p.asked)}
+        if len(rs) == 1:
+            return bytes(dep.reduce(results, rs.pop()))
+        flags = bytearray()
+        off = 0
+        for g, p in enumerate(plan.groups):
+            n = len(p.asked) * len(dep.lookup_heads[g])
+            if n:
+                flags += dep.reduce(results[off:off + n], len(dep.lookup_heads[g]))
+            off += n
+        return bytes(flags)
+
+    # --------------------------------------------------------------------------- public
+    def candidate_keys(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> List[str]:
+        """The keys :meth:`lookup` sends, in order (group, then chunk, then namespace)."""
+        prepared = self._prepare(token_len, block_hashes, skip_tokens)
+        if prepared is None:
+            return []
+        return self._keys(token_len, skip_tokens, *prepared)
+
+    def lookup(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
+        """Hit length in tokens (0 .. ``token_len``) of the longest usable stored prefix.
+
+        ``token_len`` must be a multiple of the scheduler block size; ``block_hashes`` are
+        the request's hashes at ``hash_block_size`` granularity (a sequence of bytes-like, or
+        a :class:`BlockHashes`). Chunks wholly below ``skip_tokens`` (tokens the engine holds
+        locally) are not asked and count as present. A store fault answers 0, logged.
+        """
+        prepared = self._prepare(token_len, block_hashes, skip_tokens)
+        if prepared is None:
+            self._count(0, 0, 0)
+            return 0
+        hashes, plan = prepared
+        keys = self._keys(token_len, skip_tokens, hashes, plan)
+        if keys:
+            flags = self._ask(keys, plan)
+            if flags is None:
+                self._count(len(keys), 1, 0)
+                return 0
+        elif not plan.presumes_any:
+            self._count(0, 0, 0)
+            return 0  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
+        else:
+            flags = b""
+        hit = self.deployment.hit_length(plan.presence(flags), plan.span)
+        self._count(len(keys), 0, hit)
+        return hit
+
+    def _count(self, keys: int, failed: int, hit: int) -> None:
+        with self._stats_lock:
+            c = self._counts
+            c[0] += 1
+            c[1] += 1 if keys else 0
+            c[2] += failed
+            c[3] += keys
+            c[4] += hit
+
+    def stats(self) -> LookupStats:
+        """Counters since creation (see :class:`LookupStats`)."""
+        with self._stats_lock:
+            return LookupStats(*self._counts)

@@ -1,0 +1,175 @@
+"""Configuration of a Mooncake client: vLLM's JSON config file, sizes, and the client's
+process-wide environment variables.
+
+:class:`MooncakeStoreConfig` reads the same JSON file as vLLM's Mooncake store connector (path
+in ``MOONCAKE_CONFIG_PATH``), with vLLM's defaults.
+
+Client environment variables (process-wide; an explicit argument wins, then a value already
+exported, then ours): ``MC_STORE_CLIENT_SETUP_RETRIES`` (ours 1) and ``MC_RPC_TIMEOUT_MS`` (ours
+2000 ms) are read by each ``setup()``; ``MC_TCP_BIND_ADDRESS`` is set to a loopback
+``local_hostname``; ``MC_LOG_LEVEL`` (ours ERROR) is read only when ``mooncake.store`` is first
+imported, so set it before any other import of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+from typing import Any, Literal
+
+__all__ = [
+    "CONFIG_PATH_ENV",
+    "LOCAL_HOSTNAME_ENV",
+    "MooncakeStoreConfig",
+    "parse_size",
+    "set_client_env",
+]
+
+CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+#: vLLM reads the requester's advertised hostname from this variable.
+LOCAL_HOSTNAME_ENV = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
+
+GiB = 1 << 30
+_MODES = ("embedded", "standalone-store")
+_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(gb|mb|kb|b)?")
+
+# Our defaults for the client's environment knobs, used only when neither an
+# argument nor an exported value gives one.
+#: 1 retry: setup() against no master fails in ~4.4 s instead of ~90 s.
+DEFAULT_SETUP_RETRIES = 1
+#: Bounds every RPC to a hung master (the client's default is 30 s).
+DEFAULT_RPC_TIMEOUT_MS = 2000
+
+
+def parse_size(value: Any) -> int:
+    """Parse a size in bytes the way vLLM's Mooncake connector does.
+
+    An ``int`` passes through; another non-string goes through ``int()``.
+    A string is lowercased and stripped and must read ``number[.number]
+    [gb|mb|kb|b]``: units are 1024-based, no unit means bytes, and the result
+    is truncated to whole bytes (``"1.5kb"`` is 1536).
+    """
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, str):
+        return int(value)
+    text = value.lower().strip()
+    if not text:
+        raise ValueError("size must not be empty")
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"invalid size {value!r}: expected a number with an optional unit gb, mb, kb or b")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit or "b"])
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeStoreConfig:
+    """vLLM's Mooncake store JSON config, with vLLM's defaults.
+
+    Sizes are in bytes. ``mode="standalone-store"`` means this client mounts
+    no segment (``global_segment_size == 0``) and only uses other clients'
+    memory. Fields the vLLM JSON may carry but this library does not use are
+    ignored when parsing.
+    """
+
+    metadata_server: str = ""
+    master_server_address: str = ""
+    protocol: str = "rdma"
+    device_name: str = ""
+    mode: Literal["embedded", "standalone-store"] = "embedded"
+    global_segment_size: int = 4 * GiB
+    local_buffer_size: int = 4 * GiB
+    enable_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("global_segment_size", "local_buffer_size"):
+            try:
+                size = parse_size(getattr(self, name))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            object.__setattr__(self, name, size)
+        if self.mode not in _MODES:
+            raise ValueError(f"mode: must be one of {_MODES}, got {self.mode!r}")
+        if self.local_buffer_size <= 0:
+            raise ValueError(f"local_buffer_size: must be > 0, got {self.local_buffer_size}")
+        if self.mode == "embedded" and self.global_segment_size <= 0:
+            raise ValueError(
+                f"global_segment_size: must be > 0 in embedded mode, got {self.global_segment_size}"
+            )
+        if self.mode == "standalone-store" and self.global_segment_size != 0:
+            raise ValueError(
+                f"global_segment_size: must be 0 in standalone-store mode, got {self.global_segment_size}"
+            )
+
+    @classmethod
+    def loopback(cls, master_server_address: str) -> MooncakeStoreConfig:
+        """Our defaults for one machine: P2P handshake, TCP, a 64 MiB segment
+        and a 16 MiB buffer (the same as :meth:`MooncakeStore.connect`)."""
+        return cls(
+            metadata_server="P2PHANDSHAKE",
+            master_server_address=master_server_address,
+            protocol="tcp",
+            global_segment_size=64 << 20,
+            local_buffer_size=16 << 20,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object vLLM reads (write it to ``MOONCAKE_CONFIG_PATH``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MooncakeStoreConfig:
+        """Build from a parsed JSON object; unknown keys are ignored."""
+        if not isinstance(data, dict):
+            raise ValueError(f"Mooncake config must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MooncakeStoreConfig:
+        """Read a vLLM Mooncake JSON config file."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_env(cls) -> MooncakeStoreConfig:
+        """Read the file named by ``MOONCAKE_CONFIG_PATH``, as vLLM does."""
+        path = os.environ.get(CONFIG_PATH_ENV)
+        if not path:
+            raise ValueError(f"The environment variable '{CONFIG_PATH_ENV}' is not set.")
+        return cls.from_file(path)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def set_client_env(local_hostname: str, setup_retries: int | None, rpc_timeout_ms: int | None) -> None:
+    """Set the process-wide variables the client reads at setup.
+
+    An explicit argument overrides the environment; ``None`` keeps a value
+    the user exported and falls back to our default otherwise.
+    """
+    if _is_loopback(local_hostname):
+        # Else the transfer engine advertises the first non-loopback NIC.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1" if local_hostname == "localhost" else local_hostname)
+    for name, value, default in (
+        ("MC_STORE_CLIENT_SETUP_RETRIES", setup_retries, DEFAULT_SETUP_RETRIES),
+        ("MC_RPC_TIMEOUT_MS", rpc_timeout_ms, DEFAULT_RPC_TIMEOUT_MS),
+    ):
+        if value is not None:
+            os.environ[name] = str(int(value))
+        else:
+            os.environ.setdefault(name, str(default))
+
+
