@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
     raise ImportError("mooncake_keys.kvpool needs torch: pip install 'mooncake-keys[torch]'") from exc
 
 from ._checks import int_arg
+from .lookup.contract import DEFAULT_VLLM_COMPAT
 from .lookup.deployment import Deployment, GroupLike
 from .lookup.hashes import BlockHashes, as_block_hashes
 from .lookup.keys import PoolKey
@@ -243,6 +244,8 @@ class KVPool:
         use_eagle: bool = False,
         cache_prefix: str = "",
         store: Any,
+        store_namespace: str = "",
+        vllm_compat: str = DEFAULT_VLLM_COMPAT,
         core: Optional[str] = None,
     ) -> None:
         missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
@@ -252,15 +255,20 @@ class KVPool:
         self.deployment = Deployment(
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
-            cache_prefix=cache_prefix, core=core,
+            cache_prefix=cache_prefix, store_namespace=store_namespace, vllm_compat=vllm_compat,
+            core=core,
         )
-        self.groups: Tuple[KVCacheGroup, ...] = self.deployment.groups
+        #: The store groups (prefix-cacheable ones): one KV-cache tensor each.
+        self.groups: Tuple[KVCacheGroup, ...] = self.deployment.store_groups
         self.layout = layout
         self.store = store
         self.rank: Namespace = layout.check_rank(rank)
-        #: This rank's writer namespace (tp, pcp, dcp, pp): where it saves to and loads from.
-        self.namespace: Namespace = layout.writer_namespace(*self.rank)
-        self._heads = tuple((self.deployment.key_head(g, self.namespace),) for g in range(len(self.groups)))
+        writers = [self.deployment.writer(g, self.rank) for g in range(len(self.groups))]
+        #: Per store group, this rank's writer namespace (tp, pcp, dcp, pp): where it saves to
+        #: and loads from; and the put step of the ranks sharing it.
+        self.namespaces: Tuple[Namespace, ...] = tuple(ns for ns, _ in writers)
+        self.put_steps: Tuple[int, ...] = tuple(step for _, step in writers)
+        self._heads = tuple((self.deployment.key_head(g, ns),) for g, ns in enumerate(self.namespaces))
         self._caches = self._check_caches(kv_caches)
 
         self._gate = CallGate()
@@ -288,9 +296,14 @@ class KVPool:
         return self.deployment.scheduler_block_size
 
     @property
+    def namespace(self) -> Namespace:
+        """This rank's writer namespace of store group 0 (every group's, unless they differ in MLA)."""
+        return self.namespaces[0]
+
+    @property
     def prefixes(self) -> Tuple[str, ...]:
         """Per group, the prefix of this rank's keys (up to and including ``@group:<g>``)."""
-        return tuple(self.deployment.key_prefix(g, self.namespace) for g in range(len(self.groups)))
+        return tuple(self.deployment.key_prefix(g, ns) for g, ns in enumerate(self.namespaces))
 
     # ------------------------------------------------------------------ validation
     def _check_caches(self, kv_caches: Any) -> Tuple[_GroupCache, ...]:
@@ -418,9 +431,9 @@ class KVPool:
         no_chunks: Tuple[Tuple[int, ...], ...] = tuple(() for _ in self.groups)
         if not token_len or not len(hashes):
             return SaveResult(token_len, no_chunks, 0, 0, 0, ())
-        step = self.layout.put_step
+        steps = self.put_steps
         chunks = tuple(
-            tuple(j for j in plan.asked if j % step == (self.rank[0] + g) % step)
+            tuple(j for j in plan.asked if j % steps[g] == (self.rank[0] + g) % steps[g])
             for g, plan in enumerate(self.deployment.plan(token_len, len(hashes), 0).groups)
         )
         where = [(g, j) for g, cs in enumerate(chunks) for j in cs]
@@ -489,7 +502,7 @@ class KVPool:
             for j in loaded[g]:
                 p[j] = 1
             presence.append(p)
-        return dep.hit_length(presence, span, apply_eagle=False)
+        return dep.hit_length(presence, span, num_hashes, apply_eagle=False)
 
     def load(self, token_len: int, block_hashes: Any, block_ids: Any, skip_tokens: int = 0) -> LoadResult:
         """Get the chunks of ``[skip_tokens, token_len)`` from this rank's namespace into its blocks.

@@ -12,7 +12,7 @@ F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec
 def make(store=None, groups=(F(16),), **kw):
     kw.setdefault("hash_block_size", 16)
     return mk.LookupEngine("m", list(groups), kw.pop("layout", mk.ParallelLayout()),
-                           store=store or mk.MemoryStore(), **kw)
+                           store=store or mk.MemoryStore(), **kw, vllm_compat="0.25")
 
 
 HS = [b"a" * 8, b"b" * 8, b"c" * 8, b"d" * 8]
@@ -117,11 +117,11 @@ def test_bad_types_in_constructors():
     with pytest.raises(TypeError, match="spec"):
         mk.KVCacheGroup("full")
     with pytest.raises(TypeError, match="layout"):
-        mk.LookupEngine("m", [F(16)], None, hash_block_size=16, store=mk.MemoryStore())
+        mk.LookupEngine("m", [F(16)], None, hash_block_size=16, store=mk.MemoryStore(), vllm_compat="0.25")
     with pytest.raises(TypeError, match="store"):
-        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=object())
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=object(), vllm_compat="0.25")
     with pytest.raises(TypeError, match="model_name"):
-        mk.LookupEngine(None, [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.MemoryStore())
+        mk.LookupEngine(None, [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.MemoryStore(), vllm_compat="0.25")
     with pytest.raises(TypeError, match="cache_prefix"):
         make(cache_prefix=None)
 
@@ -183,7 +183,7 @@ def test_non_ascii_names_are_identical_on_both_cores(recording_store):
     out = {}
     for core in ("c", "py"):
         e = mk.LookupEngine("модель-日本語-🚀", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2),
-                            hash_block_size=16, cache_prefix="é\udcff", store=mk.MemoryStore(), core=core)
+                            hash_block_size=16, cache_prefix="é\udcff", store=mk.MemoryStore(), core=core, vllm_compat="0.25")
         out[core] = e.candidate_keys(64, HS)
     a, b = out.values()
     assert a == b and a[0] == "é\udcff@модель-日本語-🚀@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + HS[0].hex()

@@ -62,12 +62,12 @@ def _save_everywhere(store, hashes, token_len):
     ids = [list(range(token_len // g.spec.block_size)) for g in GROUPS]
     for rank, cache in zip(ranks, caches):
         with mk.KVPool("e2e", GROUPS, LAYOUT, rank=rank, kv_caches=cache, hash_block_size=16,
-                       store=store) as pool:
+                       store=store, vllm_compat="0.25") as pool:
             assert pool.save(token_len, hashes, ids).ok
 
 
 def test_dead_master_answers_zero_fast_then_restart_recovers(master, store, caplog):
-    engine = mk.LookupEngine("e2e", GROUPS, LAYOUT, hash_block_size=16, store=store)
+    engine = mk.LookupEngine("e2e", GROUPS, LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     hashes = [bytes([i]) * 32 for i in range(1, 9)]  # 8 hashes of 16 tokens = 128 tokens
     _save_everywhere(store, hashes, 128)
     assert engine.lookup(128, hashes) == 128
@@ -96,7 +96,7 @@ def test_dead_master_answers_zero_fast_then_restart_recovers(master, store, capl
 
 def test_lookup_engine_on_a_closed_store_answers_zero(master, caplog):
     s = mk.MooncakeStore.connect(master.master_address if master.is_running() else master.start().master_address)
-    engine = mk.LookupEngine("e2e", GROUPS, LAYOUT, hash_block_size=16, store=s)
+    engine = mk.LookupEngine("e2e", GROUPS, LAYOUT, hash_block_size=16, store=s, vllm_compat="0.25")
     s.close()
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert engine.lookup(128, [b"\x01" * 32] * 8) == 0

@@ -12,7 +12,7 @@ LAYOUT = mk.ParallelLayout(tp_size=2, pp_size=2, num_kv_heads=2)
 def make(cache_bytes=mk.KeyCache().max_bytes, layout=LAYOUT):
     store = mk.MemoryStore()
     return mk.LookupEngine("m", [mk.FullAttentionSpec(16)], layout, hash_block_size=16, store=store,
-                           key_cache_bytes=cache_bytes)
+                           key_cache_bytes=cache_bytes, vllm_compat="0.25")
 
 
 def hashes(seed, n=8):
@@ -90,7 +90,7 @@ def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
     """The compiled core rewrites the last lookup's key strings that nothing else references.
     A store that keeps the lists (or single strings) it was given must never see them change."""
     store = RetainingStore()
-    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store)
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     held = []
     for seed in range(12):
         hs = hashes(100 + seed, 8)
@@ -110,7 +110,7 @@ def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
 
 def test_recycled_strings_hash_like_fresh_ones(impl):
     store = mk.MemoryStore()
-    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store)
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     for seed in range(6):
         hs = hashes(200 + seed, 8)
         want = make(0).candidate_keys(128, hs)
@@ -128,7 +128,7 @@ def test_the_compiled_core_rewrites_the_previous_lookups_strings(impl):
             seen.append(([id(k) for k in keys], [k.encode() for k in keys]))  # no references kept
             return [0] * len(keys)
 
-    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=IdStore())
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=IdStore(), vllm_compat="0.25")
     e.lookup(128, hashes(300))
     spare_ids = {id(k) for k in e.key_cache._spare or ()}  # alive until the next lookup rewrites them
     e.lookup(128, hashes(301))
@@ -145,10 +145,10 @@ def test_concurrent_lookups_agree_with_serial_ones(impl):
 
     store = mk.MemoryStore()
     e = mk.LookupEngine("m", [mk.FullAttentionSpec(16), mk.SlidingWindowSpec(16, 32)], LAYOUT,
-                        hash_block_size=16, store=store, key_cache_bytes=200_000)
+                        hash_block_size=16, store=store, key_cache_bytes=200_000, vllm_compat="0.25")
     reqs = [hashes(400 + i % 9, 8 + i % 5) for i in range(40)]
     serial = mk.LookupEngine("m", [mk.FullAttentionSpec(16), mk.SlidingWindowSpec(16, 32)], LAYOUT,
-                             hash_block_size=16, store=store, key_cache_bytes=0)
+                             hash_block_size=16, store=store, key_cache_bytes=0, vllm_compat="0.25")
     for i, hs in enumerate(reqs[:9]):  # a prefix of (i + 1) chunks, in every group and namespace
         for k in serial.candidate_keys(len(hs) * 16, hs):
             if "@group:1@" in k or k in serial.candidate_keys(16 * (i + 1), hs):

@@ -58,7 +58,7 @@ def test_key_metadata_rejects_negative_and_non_str():
 
 def test_key_metadata_is_a_dataclass_with_vllm_field_order():
     assert [f.name for f in dataclasses.fields(mk.KeyMetadata)] == [
-        "model_name", "tp_rank", "pcp_rank", "dcp_rank", "pp_rank", "group_id", "cache_prefix"]
+        "model_name", "tp_rank", "pcp_rank", "dcp_rank", "pp_rank", "group_id", "cache_prefix", "store_namespace"]
 
 
 @pytest.mark.parametrize("model", ["m", "модель/日本語-🚀", "caf\u00e9", "x\udcff"])

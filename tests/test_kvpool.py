@@ -73,7 +73,7 @@ def pool(store, groups=(F(16),), layout=None, *, rank=(0, 0, 0, 0), kv_caches=No
     if kv_caches is None:
         kv_caches = [random_cache(random.Random(g), 16, 64) for g in range(len(groups))]
     return KVPool("m", groups, layout or mk.ParallelLayout(), rank=rank, kv_caches=kv_caches,
-                  hash_block_size=hash_block_size, store=store, **kw)
+                  hash_block_size=hash_block_size, store=store, **kw, vllm_compat="0.25")
 
 
 class FaultyStore(mk.MemoryStore):
@@ -179,7 +179,7 @@ def test_save_stores_exactly_what_the_lookup_asks_hybrid(impl):
     with pool(store, groups, kv_caches=kv, hash_block_size=8) as p:
         res = p.save(96, hs, [[0, 1, 2], list(range(12))])
     assert res.chunks == ((0, 1, 2), (3, 7, 11))
-    eng = mk.LookupEngine("m", groups, mk.ParallelLayout(), hash_block_size=8, store=store)
+    eng = mk.LookupEngine("m", groups, mk.ParallelLayout(), hash_block_size=8, store=store, vllm_compat="0.25")
     assert set(store.keys()) == set(eng.candidate_keys(96, hs))
     assert eng.lookup(96, hs) == 96
 
@@ -203,7 +203,7 @@ def test_put_striding_covers_every_chunk_exactly_once(impl, heads):
                     assert (p.namespace[0], g, j) not in seen
                     seen[(p.namespace[0], g, j)] = r[0]
     assert set(seen) == {(ns, g, j) for ns in range(heads) for g, n in ((0, 8), (1, 4)) for j in range(n)}
-    eng = mk.LookupEngine("m", groups, lay, hash_block_size=16, store=store)
+    eng = mk.LookupEngine("m", groups, lay, hash_block_size=16, store=store, vllm_compat="0.25")
     assert set(store.keys()) == set(eng.candidate_keys(128, hs))
     assert eng.lookup(128, hs) == 128
 
@@ -300,7 +300,7 @@ def test_load_sliding_window_reads_only_the_window_before_the_end(impl):
         p.save(96, hs, [[0, 1, 2], list(range(12))])
         for j in (3, 7):
             store.remove(key_of("m", (0, 0, 0, 0), 1, hs[j]))
-        eng = mk.LookupEngine("m", groups, mk.ParallelLayout(), hash_block_size=8, store=store)
+        eng = mk.LookupEngine("m", groups, mk.ParallelLayout(), hash_block_size=8, store=store, vllm_compat="0.25")
         assert eng.lookup(96, hs) == 96
         res = p.load(96, hs, [[3, 4, 5], list(range(12, 24))])
     assert res.ok and res.loaded_tokens == 96
@@ -470,7 +470,7 @@ def test_bad_deployment_and_store():
         pool(mk.MemoryStore(), [F(16), F(32)], mk.ParallelLayout(pcp_size=2))
     with pytest.raises(TypeError, match="model_name"):
         KVPool(b"m", [F(16)], mk.ParallelLayout(), rank=(0, 0, 0, 0), kv_caches=[torch.zeros(2, 4)],
-               hash_block_size=16, store=mk.MemoryStore())
+               hash_block_size=16, store=mk.MemoryStore(), vllm_compat="0.25")
 
 
 def test_bad_block_ids_and_lengths(impl):
@@ -592,7 +592,7 @@ def run_round_trip(store: Any, case: Case, remove_key, *, clean_up: bool = False
     prefix = f"kvp-{uuid.uuid4().hex[:12]}"  # examples never see each other's keys
     lay = case.layout
     deploy = dict(hash_block_size=case.hash_block_size, use_eagle=case.use_eagle, cache_prefix=prefix, store=store)
-    engine = mk.LookupEngine("Model-X", case.groups, lay, **deploy)
+    engine = mk.LookupEngine("Model-X", case.groups, lay, **deploy, vllm_compat="0.25")
     sched = engine.scheduler_block_size
     T = sched * case.lcm_blocks
     hs = [rng.randbytes(case.hash_len) for _ in range((T + case.extra_tokens % sched) // case.hash_block_size)]
@@ -622,7 +622,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
                 src.append(ids[: n[g]])
                 dst.append(ids[n[g]: 2 * n[g]])
                 dst_all.append(ids[2 * n[g]:])
-            p = stack.enter_context(KVPool("Model-X", case.groups, lay, rank=r, kv_caches=caches, **deploy))
+            p = stack.enter_context(KVPool("Model-X", case.groups, lay, rank=r, kv_caches=caches, **deploy, vllm_compat="0.25"))
             saved = {(g, j): block_bytes(caches[g], src[g][j]) for g in range(len(groups)) for j in range(n[g])}
             ranks[r] = Rank(p, caches, src, dst, dst_all, saved)
 

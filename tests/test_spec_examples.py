@@ -19,7 +19,7 @@ def engine(groups, store, layout=None, hash_bs=None, **kw):
     if hash_bs is None:
         hash_bs = min(g.spec.block_size for g in groups)
     return mk.LookupEngine("test-model", groups, layout or mk.ParallelLayout(), hash_block_size=hash_bs,
-                           store=store, **kw)
+                           store=store, **kw, vllm_compat="0.25")
 
 
 # --------------------------------------------------------------------- section 12: worker tests
@@ -46,13 +46,13 @@ def test_lookup_checks_all_potential_swa_hit_boundaries(impl, recording_store):
 
 def test_lookup_key_prefixes_cover_dcp_rank_namespaces(impl, recording_store):
     e = engine([F(16)], recording_store([]), mk.ParallelLayout(tp_size=4, num_kv_heads=1, dcp_size=4))
-    assert len(e.namespaces) == 4
+    assert len(e.group_namespaces[0]) == 4
     assert e.prefixes[0] == tuple(f"test-model@tp_rank:{k}@pcp0@dcp{k}@pp_rank:0@group:0" for k in range(4))
 
 
 def test_lookup_key_prefixes_cover_pcp_rank_namespaces(impl, recording_store):
     e = engine([F(16)], recording_store([]), mk.ParallelLayout(tp_size=4, num_kv_heads=1, pcp_size=2))
-    assert len(e.namespaces) == 2
+    assert len(e.group_namespaces[0]) == 2
     assert e.prefixes[0] == ("test-model@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
                              "test-model@tp_rank:0@pcp1@dcp0@pp_rank:0@group:0")
 

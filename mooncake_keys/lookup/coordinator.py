@@ -3,17 +3,22 @@
 It answers the question vLLM's ``MooncakeStoreCoordinator`` answers: given which chunks of each
 KV-cache group exist (in every namespace), how many leading tokens form a usable hit? Presence
 is a bytes-like per group, one byte per chunk (1 present, 0 absent), chunk ``j`` covering tokens
-``[j * block_size, (j + 1) * block_size)``.
+``[j * block_size, (j + 1) * block_size)``; chunks past the end of an array are absent. With
+partial hash hits there is also one byte per hash unit (``units``), for the interior of the
+first incomplete full-attention block.
 
 Hashes within a request are assumed distinct (vLLM chains them, so they are): vLLM's pool keys
-presence by (group, hash) while this coordinator keys it by (group, chunk).
+presence by (group, hash) while this coordinator keys it by (group, chunk). Where the vLLM
+releases differ, the :class:`~mooncake_keys.lookup.contract.Contract` decides.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from math import gcd
 from typing import List, Optional, Sequence, Tuple, Union
 
+from .contract import Contract
 from .specs import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 
 Presence = Union[bytes, bytearray]  # one byte per chunk: 1 present, 0 absent
@@ -23,32 +28,43 @@ __all__ = ["Coordinator", "Presence"]
 Mask = Optional[List[bool]]
 
 
-def _align_down(n: int, bs: int, alignment: int) -> int:
-    """Drop chunks from ``n`` until ``n * bs`` is a multiple of ``alignment`` (a multiple of bs)."""
-    return n - n % (alignment // bs)
+def _step(bs: int, alignment: int) -> int:
+    """Chunks of ``bs`` tokens per aligned step: a length of k chunks is aligned iff k % step == 0."""
+    return alignment // gcd(bs, alignment)
 
 
-def full_attention_hit(p: Presence, max_length: int, bs: int, alignment: int, drop_eagle: bool) -> int:
-    """Leading present chunks (at most ``max_length // bs``), less one with EAGLE, aligned down."""
+def full_attention_hit(p: Presence, max_length: int, bs: int, alignment: int, drop_eagle: bool,
+                       units: Optional[Presence] = None) -> int:
+    """Tokens of a full-attention hit: the leading present chunks (at most ``max_length // bs``);
+    with ``units`` and an alignment finer than the block, extended to the last present hash unit
+    inside the first incomplete block; less one block (one unit when finer) with EAGLE; aligned
+    down."""
     n = max_length // bs
     z = p.find(0, 0, n)
-    hit = n if z < 0 else z
+    run = n if z < 0 else z
+    hit = run * bs
+    if units is not None and alignment < bs and bs % alignment == 0:
+        per = bs // alignment
+        first = run * per
+        end = min(first + per - 1, max_length // alignment, len(units))
+        u = units.rfind(1, first, end) if end > first else -1
+        if u >= 0:
+            hit = (u + 1) * alignment
     if drop_eagle and hit:
-        hit -= 1
-    return _align_down(hit, bs, alignment)
+        hit -= min(alignment, bs)
+    return hit - hit % alignment
 
 
-def sliding_window_hit(
-    p: Presence, max_length: int, bs: int, alignment: int, need: int, drop_eagle: bool
-) -> int:
-    """Chunks of a sliding-window hit: vLLM's right-to-left scan, jumping over runs.
+def sliding_window_hit(p: Presence, max_length: int, bs: int, alignment: int, need: int,
+                       drop_eagle: bool) -> int:
+    """Tokens of a sliding-window hit: vLLM's right-to-left scan, jumping over runs.
 
     A hit ends with ``need`` present chunks whose right edge (one chunk further left with
-    EAGLE) is ``alignment``-aligned; failing that, the run touching chunk 0 counts.
+    EAGLE) is ``alignment``-aligned; failing that, the run touching chunk 0 counts, aligned.
     """
     n = max_length // bs
     off = 0 if drop_eagle else 1
-    per = alignment // bs
+    per = _step(bs, alignment)
     i = n - 1
     length = 0
     found = False
@@ -70,17 +86,30 @@ def sliding_window_hit(
                 break
         i = z
     if not found:
-        length = _align_down(length, bs, alignment)
+        length -= length % per
     if drop_eagle and length:
-        length = _align_down(length - 1, bs, alignment)
-    return length
+        length -= 1
+        length -= length % per
+    return length * bs
+
+
+def _and(arrays: Sequence[Presence]) -> Presence:
+    """Presence in every array (the shortest length: past it, something is absent)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    n = min(map(len, arrays))
+    acc = int.from_bytes(arrays[0][:n], "little")
+    for a in arrays[1:]:
+        acc &= int.from_bytes(a[:n], "little")
+    return acc.to_bytes(n, "little")
 
 
 class Coordinator:
-    """Lookup masks and the longest usable hit for a list of KV-cache groups.
+    """Lookup masks and the longest usable hit for the store's KV-cache groups.
 
-    Sizes are in tokens: ``scheduler_block_size`` is the alignment of hybrid hits (by default
-    the lcm of the group block sizes).
+    Sizes are in tokens: ``scheduler_block_size`` aligns hybrid hits (and, under vLLM 0.33,
+    single-group ones), ``hash_block_size`` is one hash unit. ``partial_hash_hits`` aligns every
+    hit to the hash unit instead and turns the lookup masks off (vLLM 0.33).
     """
 
     def __init__(
@@ -88,15 +117,18 @@ class Coordinator:
         groups: Sequence[KVCacheGroup],
         scheduler_block_size: int,
         use_eagle: bool = False,
+        *,
+        contract: Contract,
+        hash_block_size: int,
+        partial_hash_hits: bool = False,
     ) -> None:
         self.groups: Tuple[KVCacheGroup, ...] = tuple(groups)
         self.scheduler_block_size = scheduler_block_size
-        self.use_eagle = use_eagle
-        # Flagged groups count as EAGLE groups; with use_eagle and none flagged, all do.
-        flagged = {g for g, grp in enumerate(self.groups) if grp.is_eagle_group}
-        if use_eagle and not flagged:
-            flagged = set(range(len(self.groups)))
-        self.eagle_group_ids = frozenset(flagged)
+        self.hash_block_size = hash_block_size
+        self.contract = contract
+        self.partial_hash_hits = partial_hash_hits
+        #: Every hit (and, under vLLM 0.33, every lookup length) is a multiple of this.
+        self.alignment = hash_block_size if partial_hash_hits else scheduler_block_size
         # Attention groups: equal specs merge, full attention first (stable).
         merged: List[Tuple[KVCacheSpec, List[int]]] = []
         for g, grp in enumerate(self.groups):
@@ -110,23 +142,36 @@ class Coordinator:
         self.attention_groups: Tuple[Tuple[KVCacheSpec, Tuple[int, ...]], ...] = tuple(
             (spec, tuple(ids)) for spec, ids in merged
         )
-        eagle_attn = {
-            a for a, (_, ids) in enumerate(self.attention_groups) if self.eagle_group_ids & set(ids)
-        }
+        # An attention group is EAGLE when a member is flagged; with use_eagle and none
+        # flagged, all are.
+        flagged = {g for g, grp in enumerate(self.groups) if grp.is_eagle_group}
+        eagle_attn = {a for a, (_, ids) in enumerate(self.attention_groups) if flagged & set(ids)}
+        if use_eagle and not eagle_attn:
+            eagle_attn = set(range(len(self.attention_groups)))
+            flagged = set(range(len(self.groups)))
         self.eagle_attention_indices = frozenset(eagle_attn)
+        if contract.merged_eagle_masks:
+            flagged = {g for a in eagle_attn for g in self.attention_groups[a][1]}
+        #: Groups whose lookup mask allows for the EAGLE drop.
+        self.eagle_group_ids = frozenset(flagged)
         self._lookup_mask = lru_cache(maxsize=64)(self._compute_lookup_mask)
 
     # ----------------------------------------------------------------------------- masks
+    def align(self, num_tokens: int) -> int:
+        """``num_tokens`` floored to :attr:`alignment`."""
+        return num_tokens - num_tokens % self.alignment
+
     def lookup_mask(self, token_len: int) -> Tuple[Mask, ...]:
         """Per group, which chunks a lookup of ``token_len`` tokens asks (None: all of them).
 
         Full attention asks every chunk; a sliding-window group only the ``need`` chunks before
-        each lcm boundary (dense boundaries: the retention interval plays no part here).
+        each scheduler-block boundary (dense boundaries: the retention interval plays no part
+        here). With partial hash hits there is no mask.
         """
-        if token_len % self.scheduler_block_size:
+        if token_len % self.alignment:
             raise ValueError(
                 f"token_len ({token_len}) must be a multiple of the scheduler block size "
-                f"({self.scheduler_block_size})"
+                f"({self.alignment})"
             )
         return self._lookup_mask(token_len)
 
@@ -134,7 +179,7 @@ class Coordinator:
         masks: List[Mask] = []
         for g, grp in enumerate(self.groups):
             spec = grp.spec
-            if not isinstance(spec, SlidingWindowSpec):
+            if self.partial_hash_hits or not isinstance(spec, SlidingWindowSpec):
                 masks.append(None)
                 continue
             eagle = g in self.eagle_group_ids
@@ -149,59 +194,63 @@ class Coordinator:
         return tuple(masks)
 
     # ----------------------------------------------------------------------------- hits
-    def _attention_presence(self, presence: Sequence[Presence], ids: Tuple[int, ...]) -> Presence:
-        if len(ids) == 1:
-            return presence[ids[0]]
-        n = min(len(presence[g]) for g in ids)
-        acc = int.from_bytes(presence[ids[0]][:n], "little")
-        for g in ids[1:]:
-            acc &= int.from_bytes(presence[g][:n], "little")
-        return acc.to_bytes(n, "little")
-
-    def _manager_hit(
-        self, spec: KVCacheSpec, p: Presence, max_length: int, alignment: int, drop: bool
-    ) -> int:
+    def _manager_hit(self, spec: KVCacheSpec, p: Presence, units: Optional[Presence], max_length: int,
+                     alignment: int, drop: bool) -> int:
         bs = spec.block_size
         if len(p) < max_length // bs:  # chunks past the presence array are absent
             p = bytes(p) + bytes(max_length // bs - len(p))
         if isinstance(spec, SlidingWindowSpec):
             return sliding_window_hit(p, max_length, bs, alignment, spec.blocks_needed(drop), drop)
-        return full_attention_hit(p, max_length, bs, alignment, drop)
+        return full_attention_hit(p, max_length, bs, alignment, drop, units)
+
+    def _eagle_margin(self, spec: KVCacheSpec) -> int:
+        fine = self.partial_hash_hits and isinstance(spec, FullAttentionSpec)
+        return self.hash_block_size if fine and spec.block_size > self.hash_block_size else spec.block_size
 
     def find_longest_cache_hit(
-        self, presence: Sequence[Presence], max_length: int, *, apply_eagle: bool = True
+        self,
+        presence: Sequence[Presence],
+        max_length: int,
+        *,
+        units: Optional[Sequence[Presence]] = None,
+        peek_limit: Optional[int] = None,
+        apply_eagle: bool = True,
     ) -> int:
-        """The longest hit in tokens (``<= max_length``) given per-group chunk presence."""
+        """The longest hit in tokens (``<= max_length``) given per-group chunk presence.
+
+        ``units`` (partial hash hits): per group, presence per hash unit. ``peek_limit``: how
+        far (tokens) an EAGLE group may look past the current hit under vLLM 0.33 (the end of
+        the hashes); default ``max_length``.
+        """
         eagle = self.eagle_attention_indices if apply_eagle else frozenset()
         attn = self.attention_groups
+        views = [_and([presence[g] for g in ids]) for _, ids in attn]
+        unit_views = [_and([units[g] for g in ids]) for _, ids in attn] if units is not None else [None] * len(attn)
         if len(attn) == 1:
-            spec, ids = attn[0]
-            p = self._attention_presence(presence, ids)
-            return self._manager_hit(spec, p, max_length, spec.block_size, 0 in eagle) * spec.block_size
-        lcm_bs = self.scheduler_block_size
+            spec = attn[0][0]
+            single = self.alignment if self.contract.single_group_scheduler_alignment else spec.block_size
+            return self._manager_hit(spec, views[0], unit_views[0], max_length, single, 0 in eagle)
+        caps = self.contract.full_hit_caps_later_passes
+        peek = peek_limit if (self.contract.eagle_peek_to_hashes and peek_limit is not None) else max_length
         simple = len(attn) == 2 and isinstance(attn[0][0], FullAttentionSpec)
-        views = [self._attention_presence(presence, ids) for _, ids in attn]
         hit_length = max_length
-        computed_full = set()
-        verified = set()
+        hit_of: dict = {}  # attention group -> its last hit (tokens)
+        verified: set = set()
         while True:
             cur = hit_length
             for idx, (spec, _ids) in enumerate(attn):
-                bs = spec.block_size
                 is_full = isinstance(spec, FullAttentionSpec)
-                if is_full and idx in computed_full:
-                    cur = cur // bs * bs
+                if is_full and idx in hit_of:
+                    cur = min(cur, hit_of[idx]) if caps else cur // spec.block_size * spec.block_size
                     continue
                 drop = idx in eagle and idx not in verified
-                maxlen = min(cur + bs, max_length) if drop else cur
-                new = self._manager_hit(spec, views[idx], maxlen, lcm_bs, drop) * bs
-                if is_full:
-                    computed_full.add(idx)
+                maxlen = min(cur + self._eagle_margin(spec), peek) if drop else cur
+                new = self._manager_hit(spec, views[idx], unit_views[idx], maxlen, self.alignment, drop)
                 if drop:
                     verified.add(idx)
                 elif new < cur:
                     verified.clear()
-                cur = new
+                cur = hit_of[idx] = new
             if cur >= hit_length:
                 break
             hit_length = cur

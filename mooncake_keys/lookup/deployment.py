@@ -1,15 +1,21 @@
 """One deployment's lookup geometry: which chunks a lookup asks, under which keys, and how the
-answers become per-chunk presence.
+answers become a hit length.
 
-A :class:`Deployment` is the model name, the KV-cache groups, the rank layout and the sizes
-(tokens per request hash, per chunk of each group, per scheduler block), checked once. It owns:
+A :class:`Deployment` is the model name, the KV-cache groups, the rank layout, the sizes
+(tokens per request hash, per chunk of each group, per scheduler block) and the vLLM release
+whose rules apply (:mod:`.contract`), checked once. It owns:
 
+* the **store groups**: the prefix-cacheable groups, renumbered from 0 (what ``@group:<g>``
+  and tail boundaries count);
 * the **chunk-to-hash rule**: chunk ``j`` of a group of ``block_size`` tokens covers tokens
   ``[j * block_size, (j + 1) * block_size)`` and is keyed by the request hash at index
   ``j * scale + scale - 1`` (``scale = block_size // hash_block_size``, the chunk's last hash);
-* the **key heads** of every namespace (``keys.key_head``), which the core completes with hex;
-* the **plan** of a lookup: per group, the chunks to ask (lookup mask, hashes, ``skip_tokens``)
-  and those presumed present, bounded by the hashes given whatever ``token_len`` is.
+  with partial hash hits every hash unit is keyed by its own hash;
+* the **namespaces** of each store group and their **key heads** (``keys.key_head``), which the
+  core completes with hex;
+* the **plan** of a lookup: per group, the chunks (or units) to ask and those presumed present,
+  bounded by the hashes given whatever ``token_len`` is;
+* the **hit length** and **tail boundaries** of a lookup's answers (the coordinator).
 
 The lookup engine and the KV pool are both built on one; neither reaches into the other.
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from math import lcm
 from types import ModuleType
@@ -26,6 +32,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .._checks import MAX_TOKENS, bool_arg, int_arg, str_arg
 from . import _core
+from .contract import DEFAULT_VLLM_COMPAT, Contract, get_contract
 from .coordinator import Coordinator, Presence
 from .hashes import BlockHashes
 from .keys import KeyMetadata, PoolKey, key_head
@@ -39,9 +46,10 @@ GroupLike = Union[KVCacheGroup, FullAttentionSpec, SlidingWindowSpec]
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """What one lookup asks of one group (all counts in chunks of that group)."""
+    """What one lookup asks of one store group, in chunks of that group (hash units with
+    partial hash hits)."""
 
-    num_chunks: int  # length of the group's presence array: span // block_size
+    num_chunks: int  # length of the group's presence array: span // block_size (or // unit)
     asked: Union[range, array]  # chunk ids to ask, in order
     index: array  # hash index (into the request's hashes) of each asked chunk
     presumed: Union[range, array]  # chunk ids below skip_tokens, counted present
@@ -49,7 +57,7 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class LookupPlan:
-    """The chunks of one lookup, per group, and ``span``: the tokens the coordinator looks at.
+    """The chunks of one lookup, per store group, and ``span``: the tokens the coordinator sees.
 
     ``span`` is ``token_len`` bounded by the hashes given (plus one scheduler block): chunks
     past the hashes are absent, so no hit can reach beyond them and the answer is the same.
@@ -89,7 +97,7 @@ class LookupPlan:
         return presence
 
 
-def _normalise_groups(groups: Any) -> Tuple[KVCacheGroup, ...]:
+def _normalise_groups(groups: Any, layout: ParallelLayout) -> Tuple[KVCacheGroup, ...]:
     if isinstance(groups, (KVCacheGroup, FullAttentionSpec, SlidingWindowSpec)):
         groups = [groups]
     try:
@@ -99,16 +107,22 @@ def _normalise_groups(groups: Any) -> Tuple[KVCacheGroup, ...]:
     grps = tuple(g if isinstance(g, KVCacheGroup) else KVCacheGroup(g) for g in items)
     if not grps:
         raise ValueError("groups must hold at least one KV-cache group")
-    return grps
+    # A spec's unset use_mla is the layout's: specs then compare (and merge) as vLLM's do.
+    return tuple(
+        replace(g, spec=replace(g.spec, use_mla=layout.use_mla)) if g.spec.use_mla is None else g
+        for g in grps
+    )
 
 
 class Deployment:
     """Model, KV-cache groups, rank layout and sizes of one deployment (sizes in tokens).
 
     ``hash_block_size`` tokens per request hash; each group's ``block_size`` tokens per chunk
-    (a multiple of it); ``scheduler_block_size`` (default: lcm of the group block sizes, and a
-    multiple of each) per aligned hit. ``core`` pins the key-building core (``"c"`` compiled,
-    ``"py"`` pure Python; None: the active one, see ``mooncake_keys.ACCELERATED``).
+    (a multiple of it); ``scheduler_block_size`` (default: lcm of every group's block size,
+    dropped groups included, and a multiple of each) per aligned hit. ``vllm_compat`` names the
+    vLLM release whose lookup is reproduced (:mod:`.contract`); ``store_namespace`` and
+    ``partial_hash_hits`` are vLLM 0.33's. ``core`` pins the key-building core (``"c"``
+    compiled, ``"py"`` pure Python; None: the active one, see ``mooncake_keys.ACCELERATED``).
     """
 
     def __init__(
@@ -121,58 +135,109 @@ class Deployment:
         scheduler_block_size: Optional[int] = None,
         use_eagle: bool = False,
         cache_prefix: str = "",
+        store_namespace: str = "",
+        partial_hash_hits: bool = False,
+        vllm_compat: str = DEFAULT_VLLM_COMPAT,
         core: Optional[str] = None,
     ) -> None:
+        self.contract: Contract = get_contract(vllm_compat)
         self.model_name = str_arg("model_name", model_name)
         self.cache_prefix = str_arg("cache_prefix", cache_prefix)
+        self.store_namespace = str_arg("store_namespace", store_namespace)
+        self.partial_hash_hits = bool_arg("partial_hash_hits", partial_hash_hits)
         if not isinstance(layout, ParallelLayout):
             raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
         bool_arg("use_eagle", use_eagle)
         self.core: ModuleType = _core.get_core(core)
         self.layout = layout
-        self.groups = _normalise_groups(groups)
+        #: Every group as given (``use_mla`` resolved); :attr:`store_groups` are the ones keyed.
+        self.groups = _normalise_groups(groups, layout)
         self.hash_block_size = int_arg("hash_block_size", hash_block_size, min=1, max=MAX_TOKENS)
-        for g, grp in enumerate(self.groups):
-            if grp.spec.block_size % self.hash_block_size:
-                raise ValueError(
-                    f"groups[{g}] block_size ({grp.spec.block_size}) must be a multiple of "
-                    f"hash_block_size ({self.hash_block_size})"
-                )
         if scheduler_block_size is None:
             scheduler_block_size = lcm(*(grp.spec.block_size for grp in self.groups))
         self.scheduler_block_size = int_arg("scheduler_block_size", scheduler_block_size, min=1, max=MAX_TOKENS)
-        for g, grp in enumerate(self.groups):
-            if self.scheduler_block_size % grp.spec.block_size:
-                raise ValueError(
-                    f"scheduler_block_size ({self.scheduler_block_size}) must be a multiple of "
-                    f"groups[{g}] block_size ({grp.spec.block_size})"
-                )
-        if len(self.groups) > 1 and (layout.pcp_size > 1 or layout.dcp_size > 1):
-            raise ValueError("PCP/DCP > 1 supports a single KV-cache group only (as in vLLM)")
-        self.coordinator = Coordinator(self.groups, self.scheduler_block_size, use_eagle)
-        #: Every namespace a lookup asks, in order (PCP outer, TP, PP inner).
-        self.namespaces: Tuple[Namespace, ...] = layout.lookup_namespaces()
-        #: Per group, the key prefix of each lookup namespace (vLLM's lookup key prefixes).
+        self._check_contract()
+        self.store_groups: Tuple[KVCacheGroup, ...] = tuple(g for g in self.groups if g.prefix_cacheable)
+        self._check_sizes()
+        self.coordinator = Coordinator(
+            self.store_groups, self.scheduler_block_size, use_eagle, contract=self.contract,
+            hash_block_size=self.hash_block_size, partial_hash_hits=self.partial_hash_hits,
+        )
+        #: Per store group, the namespaces a chunk must exist in (PCP outer, TP, PP inner).
+        self.group_namespaces: Tuple[Tuple[Namespace, ...], ...] = tuple(
+            layout.lookup_namespaces(self._mla(g)) for g in range(len(self.store_groups))
+        )
+        #: Per store group, the key prefix of each namespace (vLLM's lookup key prefixes).
         self.lookup_prefixes: Tuple[Tuple[str, ...], ...] = tuple(
-            tuple(self.key_prefix(g, ns) for ns in self.namespaces) for g in range(len(self.groups))
+            tuple(self.key_prefix(g, ns) for ns in nss) for g, nss in enumerate(self.group_namespaces)
         )
         #: The same as key heads: what the core completes with hex.
         self.lookup_heads: Tuple[Tuple[str, ...], ...] = tuple(
             tuple(key_head(p) for p in ps) for ps in self.lookup_prefixes
         )
-        self._chunk_tables: List[Any] = [None] * len(self.groups)
+        self._chunk_tables: List[Any] = [None] * len(self.store_groups)
         self.plan = lru_cache(maxsize=256)(self._plan)
+
+    # ----------------------------------------------------------------------------- checks
+    def _check_contract(self) -> None:
+        c, layout = self.contract, self.layout
+        if not c.dropped_groups and not all(g.prefix_cacheable for g in self.groups):
+            raise ValueError(f"prefix_cacheable=False groups need vllm_compat='0.33' (got {c.name!r})")
+        if not c.store_namespaces and self.store_namespace:
+            raise ValueError(f"store_namespace needs vllm_compat='0.33' (got {c.name!r})")
+        if not c.partial_hash_hits and self.partial_hash_hits:
+            raise ValueError(f"partial_hash_hits needs vllm_compat='0.33' (got {c.name!r})")
+        if not c.per_group_namespaces and any(g.spec.use_mla != layout.use_mla for g in self.groups):
+            raise ValueError(
+                f"a spec's use_mla must match the layout's under vllm_compat={c.name!r} "
+                "(per-group MLA needs vllm_compat='0.33')"
+            )
+        stored = sum(g.prefix_cacheable for g in self.groups)
+        if not stored:
+            raise ValueError("groups must hold at least one prefix-cacheable KV-cache group")
+        if stored > 1 and (layout.pcp_size > 1 or (layout.dcp_size > 1 and not c.hybrid_dcp)):
+            what = "PCP > 1" if c.hybrid_dcp else "PCP/DCP > 1"
+            raise ValueError(f"{what} supports a single KV-cache group only (as in vLLM {c.name})")
+
+    def _check_sizes(self) -> None:
+        hbs, sbs = self.hash_block_size, self.scheduler_block_size
+        for g, grp in enumerate(self.groups):
+            if grp.prefix_cacheable and grp.spec.block_size % hbs:
+                raise ValueError(
+                    f"groups[{g}] block_size ({grp.spec.block_size}) must be a multiple of "
+                    f"hash_block_size ({hbs})"
+                )
+            if sbs % grp.spec.block_size:
+                raise ValueError(
+                    f"scheduler_block_size ({sbs}) must be a multiple of groups[{g}] block_size "
+                    f"({grp.spec.block_size})"
+                )
+        if self.partial_hash_hits and hbs >= sbs:
+            raise ValueError(
+                f"partial_hash_hits needs hash_block_size ({hbs}) < scheduler_block_size ({sbs})"
+            )
+
+    def _mla(self, group: int) -> Optional[bool]:
+        """Whether store group ``group`` counts as MLA for its namespaces (None: the layout's)."""
+        return self.store_groups[group].spec.use_mla if self.contract.per_group_namespaces else None
 
     # ----------------------------------------------------------------------------- keys
     def key_prefix(self, group: int, namespace: Namespace) -> str:
-        """The prefix of the keys of ``group`` in ``namespace`` (up to ``@group:<g>``)."""
+        """The prefix of the keys of store group ``group`` in ``namespace`` (up to ``@group:<g>``)."""
         tp, pcp, dcp, pp = namespace
-        md = KeyMetadata(self.model_name, tp, pcp, dcp, pp, group_id=group, cache_prefix=self.cache_prefix)
+        md = KeyMetadata(self.model_name, tp, pcp, dcp, pp, group_id=group, cache_prefix=self.cache_prefix,
+                         store_namespace=self.store_namespace)
         return PoolKey.build_prefix(md)
 
     def key_head(self, group: int, namespace: Namespace) -> str:
-        """What stands before the hex in the keys of ``group`` in ``namespace``."""
+        """What stands before the hex in the keys of store group ``group`` in ``namespace``."""
         return key_head(self.key_prefix(group, namespace))
+
+    def writer(self, group: int, rank: Namespace) -> Tuple[Namespace, int]:
+        """Where the rank at ``rank`` = (tp, pcp, dcp, pp) saves store group ``group``: its
+        namespace, and the put step (ranks sharing the namespace stripe their puts)."""
+        mla = self._mla(group)
+        return self.layout.writer_namespace(*rank, mla=mla), self.layout.replication_factor(mla)
 
     def fill_keys(self, out: List[Any], pos: int, heads: Tuple[str, ...], hashes: BlockHashes,
                   index: array, spare: Optional[list] = None) -> int:
@@ -184,14 +249,19 @@ class Deployment:
         return self.core.reduce_presence(results, r)
 
     # ----------------------------------------------------------------------------- chunks
+    def _unit(self, group: int) -> int:
+        """Tokens per entry of a group's plan: its block size, or the hash unit (partial hits)."""
+        return self.hash_block_size if self.partial_hash_hits else self.store_groups[group].spec.block_size
+
     def chunks_with_hash(self, group: int, token_len: int, num_hashes: int) -> int:
-        """Leading chunks of ``group`` below ``token_len`` that have a chunk hash."""
-        bs = self.groups[group].spec.block_size
-        return min(token_len // bs, num_hashes // (bs // self.hash_block_size))
+        """Leading chunks (hash units with partial hits) of ``group`` below ``token_len`` that
+        have a hash."""
+        unit = self._unit(group)
+        return min(token_len // unit, num_hashes // (unit // self.hash_block_size))
 
     def hash_index(self, group: int, chunks: Sequence[int]) -> array:
         """Index into the request's hashes of each chunk's hash: the last sub-hash of the chunk."""
-        scale = self.groups[group].spec.block_size // self.hash_block_size
+        scale = self._unit(group) // self.hash_block_size
         return array("q", [j * scale + scale - 1 for j in chunks])
 
     def span(self, token_len: int, num_hashes: int) -> int:
@@ -206,27 +276,27 @@ class Deployment:
         table = self._chunk_tables[g]
         if table is not None and table[2] >= num_chunks:
             return table[0], table[1]
-        bs = self.groups[g].spec.block_size
+        unit = self._unit(g)
         sbs = self.scheduler_block_size
         cap = max(num_chunks, 2 * (table[2] if table else 0), 256)
-        token_len = -(-cap * bs // sbs) * sbs
+        token_len = -(-cap * unit // sbs) * sbs
         mask = self.coordinator.lookup_mask(token_len)[g]
-        cap = token_len // bs
+        cap = token_len // unit
         positions = None if mask is None else array("q", [j for j in range(cap) if mask[j]])
         index = self.hash_index(g, range(cap) if positions is None else positions)
         self._chunk_tables[g] = (positions, index, cap)
         return positions, index
 
     def _plan(self, token_len: int, num_hashes: int, skip_tokens: int) -> LookupPlan:
-        """The chunks a lookup of ``token_len`` tokens (a multiple of the scheduler block size)
-        asks given ``num_hashes`` hashes; chunks wholly below ``skip_tokens`` are presumed."""
+        """The chunks a lookup of ``token_len`` tokens (a multiple of the alignment) asks given
+        ``num_hashes`` hashes; chunks wholly below ``skip_tokens`` are presumed."""
         span = self.span(token_len, num_hashes)
         plans = []
-        for g, grp in enumerate(self.groups):
-            bs = grp.spec.block_size
-            num_chunks = span // bs
+        for g in range(len(self.store_groups)):
+            unit = self._unit(g)
+            num_chunks = span // unit
             have = self.chunks_with_hash(g, span, num_hashes)
-            skip = min(skip_tokens // bs, have)  # chunks wholly below skip_tokens
+            skip = min(skip_tokens // unit, have)  # chunks wholly below skip_tokens
             positions, index = self._chunk_table(g, num_chunks)
             if positions is None:
                 plans.append(GroupPlan(num_chunks, range(skip, have), index[skip:have], range(skip)))
@@ -236,6 +306,42 @@ class Deployment:
         return LookupPlan(span, tuple(plans))
 
     # ----------------------------------------------------------------------------- hits
-    def hit_length(self, presence: Sequence[Presence], span: int, *, apply_eagle: bool = True) -> int:
-        """The longest usable hit in tokens given per-group chunk presence (the coordinator)."""
-        return self.coordinator.find_longest_cache_hit(presence, span, apply_eagle=apply_eagle)
+    def hit_length(self, presence: Sequence[Presence], max_length: int, num_hashes: int, *,
+                   apply_eagle: bool = True) -> int:
+        """The longest usable hit in tokens (``<= max_length``) given the plan's per-group
+        presence (per chunk, or per hash unit with partial hits) of a request of
+        ``num_hashes`` hashes."""
+        units = None
+        if self.partial_hash_hits:
+            units = presence
+            presence = [
+                u[scale - 1::scale]
+                for u, scale in ((u, g.spec.block_size // self.hash_block_size) for u, g in zip(units, self.store_groups))
+            ]
+        return self.coordinator.find_longest_cache_hit(
+            presence, max_length, units=units, peek_limit=num_hashes * self.hash_block_size,
+            apply_eagle=apply_eagle,
+        )
+
+    def tail_boundaries(self, hit: int, presence: Sequence[Presence], num_hashes: int) -> Tuple[Tuple[int, int], ...]:
+        """Per store group, the token boundary whose hash keys the last chunk a load of ``hit``
+        tokens reads (vLLM 0.33's tail key boundaries): ``hit`` itself, except with partial hits
+        when the unit ending at ``hit`` is absent in a group: then the end of the first present
+        unit after it within that group's block. Empty for a hit of 0."""
+        if hit <= 0:
+            return ()
+        if not self.partial_hash_hits:
+            return tuple((g, hit) for g in range(len(self.store_groups)))
+        hbs = self.hash_block_size
+        k = hit // hbs - 1
+        out = []
+        for g, (grp, units) in enumerate(zip(self.store_groups, presence)):
+            boundary = hit
+            if not (k < len(units) and units[k]):
+                bs = grp.spec.block_size
+                end = min((-(-hit // bs)) * bs // hbs, num_hashes, len(units))
+                u = units.find(1, k + 1, end) if end > k + 1 else -1
+                if u >= 0:
+                    boundary = (u + 1) * hbs
+            out.append((g, boundary))
+        return tuple(out)

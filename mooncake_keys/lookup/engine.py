@@ -1,14 +1,18 @@
 """The lookup engine: block hashes in, hit length in tokens out, with one ``batch_is_exist``.
 
-A lookup (vLLM's ``MooncakeStoreWorker.lookup``, PCP/DCP-correct as of vLLM #46855):
+A lookup (vLLM's ``MooncakeStoreWorker.lookup``, as the chosen vLLM release has it):
 
-1. the deployment's plan: per group, the chunks to ask (those with a hash, below
-   ``token_len``, allowed by the group's lookup mask, not wholly below ``skip_tokens``);
-2. one key per (group, chunk, namespace), ordered group -> chunk -> namespace (memoised for a
+1. the lookup length: ``num_tokens`` floored to the alignment (vLLM 0.33; vLLM 0.25 wants it
+   aligned already);
+2. the deployment's plan: per store group, the chunks to ask (those with a hash, below the
+   length, allowed by the group's lookup mask, not wholly below ``skip_tokens``);
+3. one key per (group, chunk, namespace), ordered group -> chunk -> namespace (memoised for a
    repeated request by the key cache);
-3. one ``store.batch_is_exist(keys)``;
-4. a chunk is present when every namespace answered 1 (the core's reduction);
-5. the coordinator turns per-group chunk presence into the longest usable hit.
+4. one ``store.batch_is_exist(keys)``;
+5. a chunk is present when every namespace of its group answered 1 (the core's reduction);
+6. the coordinator turns per-group chunk presence into the longest usable hit; under vLLM 0.33
+   a hit covering all of ``num_tokens`` is re-derived one alignment step shorter (the last
+   token must be computed), and each store group gets its tail key boundary.
 
 The store-fault policy lives here, in :meth:`LookupEngine._ask`: whatever the store does, the
 lookup answers 0 with one warning line on the ``mooncake_keys`` logger.
@@ -22,14 +26,36 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg
+from .contract import DEFAULT_VLLM_COMPAT
 from .deployment import Deployment, GroupLike, LookupPlan
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
 
-__all__ = ["LookupEngine", "LookupStats"]
+__all__ = ["LookupEngine", "LookupResult", "LookupStats", "TailKeyBoundary"]
 
 logger = logging.getLogger("mooncake_keys.lookup")
+
+
+@dataclass(frozen=True)
+class TailKeyBoundary:
+    """The token boundary whose hash keys the last chunk of a store group that a load reads
+    (vLLM 0.33's ``TailKeyBoundary``): ``group_id`` as in ``@group:<g>``, ``num_tokens`` in tokens."""
+
+    group_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """A lookup's answer: ``hit_length`` in tokens and, per store group in order, its tail key
+    boundary (empty for a hit of 0, and under ``vllm_compat="0.25"``, which had none)."""
+
+    hit_length: int
+    tail_key_boundaries: Tuple[TailKeyBoundary, ...] = ()
+
+
+_NO_HIT = LookupResult(0, ())
 
 
 @dataclass(frozen=True)
@@ -48,7 +74,11 @@ class LookupEngine:
 
     Sizes are in tokens: ``hash_block_size`` tokens per request hash, group block sizes per
     chunk, ``scheduler_block_size`` (default: lcm of the group block sizes) per aligned hit.
-    ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``.
+    ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``. ``vllm_compat``
+    names the vLLM release whose answers are reproduced: ``"0.33"`` (default) or ``"0.25"``
+    (see :mod:`mooncake_keys.lookup.contract`); ``store_namespace`` (the string vLLM 0.33 puts
+    after the model name for a store layout) and ``partial_hash_hits`` (keys per hash unit,
+    hits aligned to it) are vLLM 0.33's.
     ``key_cache_bytes`` bounds the memoised keys of repeated requests and ``spare_key_bytes``
     the strings kept for reuse (0 turns either off; see :class:`KeyCache`). ``core`` pins the
     core: ``"c"`` (compiled) or ``"py"`` (pure Python); None takes the active one.
@@ -65,6 +95,9 @@ class LookupEngine:
         use_eagle: bool = False,
         cache_prefix: str = "",
         store: Any,
+        store_namespace: str = "",
+        partial_hash_hits: bool = False,
+        vllm_compat: str = DEFAULT_VLLM_COMPAT,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
         core: Optional[str] = None,
@@ -74,7 +107,8 @@ class LookupEngine:
         self.deployment = Deployment(
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
-            cache_prefix=cache_prefix, core=core,
+            cache_prefix=cache_prefix, store_namespace=store_namespace,
+            partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat, core=core,
         )
         self.store = store
         self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=self.deployment.core.REUSES_STRINGS)
@@ -102,6 +136,10 @@ class LookupEngine:
         return self.deployment.groups
 
     @property
+    def vllm_compat(self) -> str:
+        return self.deployment.contract.name
+
+    @property
     def hash_block_size(self) -> int:
         return self.deployment.hash_block_size
 
@@ -114,34 +152,42 @@ class LookupEngine:
         return self.deployment.coordinator
 
     @property
-    def namespaces(self) -> Tuple[Tuple[int, int, int, int], ...]:
-        return self.deployment.namespaces
+    def group_namespaces(self) -> Tuple[Tuple[Tuple[int, int, int, int], ...], ...]:
+        """Per store group, every namespace a chunk must exist in (PCP outer, TP, PP inner)."""
+        return self.deployment.group_namespaces
 
     @property
     def prefixes(self) -> Tuple[Tuple[str, ...], ...]:
-        """Per group, the key prefix of every lookup namespace, in namespace order."""
+        """Per store group, the key prefix of every namespace, in namespace order."""
         return self.deployment.lookup_prefixes
 
     # --------------------------------------------------------------------------- steps
-    def _prepare(self, token_len: Any, block_hashes: Any, skip_tokens: Any) -> Optional[Tuple[BlockHashes, LookupPlan]]:
-        token_len = int_arg("token_len", token_len)
+    def _prepare(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any
+                 ) -> Optional[Tuple[int, BlockHashes, LookupPlan]]:
+        """The lookup length, the hashes and the plan; None when there is nothing to look up."""
+        dep = self.deployment
+        num_tokens = int_arg("token_len", num_tokens)
         skip_tokens = int_arg("skip_tokens", skip_tokens, min=0)
         hashes = as_block_hashes(block_hashes)
+        if dep.contract.aligns_lookup_length:
+            token_len = dep.coordinator.align(num_tokens)
+        else:
+            token_len = num_tokens
+            sbs = dep.scheduler_block_size
+            if token_len > 0 and token_len % sbs:
+                raise ValueError(
+                    f"token_len ({token_len}) must be a multiple of the scheduler block size ({sbs})"
+                )
         if not len(hashes) or token_len <= 0:
             return None
-        sbs = self.deployment.scheduler_block_size
-        if token_len % sbs:
-            raise ValueError(
-                f"token_len ({token_len}) must be a multiple of the scheduler block size ({sbs})"
-            )
-        return hashes, self.deployment.plan(token_len, len(hashes), skip_tokens)
+        return token_len, hashes, dep.plan(token_len, len(hashes), skip_tokens)
 
     def _keys(self, token_len: int, skip_tokens: int, hashes: BlockHashes, plan: LookupPlan) -> List[str]:
         """The keys of a lookup, group -> chunk -> namespace (memoised for a repeated request)."""
         cache = self.key_cache
         hl = hashes.hash_len
         blob = hashes.blob
-        fingerprint = (token_len, skip_tokens, hl, len(hashes), blob[-hl:].tobytes())
+        fingerprint = (token_len, skip_tokens, hl, len(hashes), blob[-hl:].tobytes())  # token_len aligned
         keys = cache.get(fingerprint, blob)
         if keys is not None:
             return keys
@@ -207,35 +253,57 @@ class LookupEngine:
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
             return []
-        return self._keys(token_len, skip_tokens, *prepared)
+        aligned, hashes, plan = prepared
+        return self._keys(aligned, skip_tokens, hashes, plan)
 
     def lookup(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
         """Hit length in tokens (0 .. ``token_len``) of the longest usable stored prefix.
 
-        ``token_len`` must be a multiple of the scheduler block size; ``block_hashes`` are
-        the request's hashes at ``hash_block_size`` granularity (a sequence of bytes-like, or
-        a :class:`BlockHashes`). Chunks wholly below ``skip_tokens`` (tokens the engine holds
-        locally) are not asked and count as present. A store fault answers 0, logged.
+        ``token_len`` is the request's length in tokens: under vLLM 0.33 it is floored to the
+        scheduler block size (the hash unit with partial hash hits), and a hit covering all of
+        it is shortened so that the last token is computed; under vLLM 0.25 it must be a
+        multiple of the scheduler block size. ``block_hashes`` are the request's hashes at
+        ``hash_block_size`` granularity (a sequence of bytes-like, or a :class:`BlockHashes`).
+        Chunks wholly below ``skip_tokens`` (tokens the engine holds locally) are not asked and
+        count as present. A store fault answers 0, logged.
         """
+        return self.lookup_result(token_len, block_hashes, skip_tokens=skip_tokens).hit_length
+
+    def lookup_result(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> LookupResult:
+        """:meth:`lookup` with vLLM 0.33's whole answer: the hit length and, per store group,
+        its tail key boundary (see :class:`LookupResult`)."""
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
             self._count(0, 0, 0)
-            return 0
-        hashes, plan = prepared
-        keys = self._keys(token_len, skip_tokens, hashes, plan)
+            return _NO_HIT
+        aligned, hashes, plan = prepared
+        keys = self._keys(aligned, skip_tokens, hashes, plan)
         if keys:
             flags = self._ask(keys, plan)
             if flags is None:
                 self._count(len(keys), 1, 0)
-                return 0
+                return _NO_HIT
         elif not plan.presumes_any:
             self._count(0, 0, 0)
-            return 0  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
+            return _NO_HIT  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
         else:
             flags = b""
-        hit = self.deployment.hit_length(plan.presence(flags), plan.span)
-        self._count(len(keys), 0, hit)
-        return hit
+        result = self._result(token_len, len(hashes), plan, plan.presence(flags))
+        self._count(len(keys), 0, result.hit_length)
+        return result
+
+    def _result(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> LookupResult:
+        dep = self.deployment
+        hit = dep.hit_length(presence, plan.span, num_hashes)
+        if dep.contract.rederives_full_hit and hit >= num_tokens:
+            # vLLM 0.33: the last token must be computed, so a hit of every token is found again
+            # one alignment step shorter, from the same answers (vllm#55113).
+            usable = dep.coordinator.align(num_tokens - 1)
+            hit = dep.hit_length(presence, usable, num_hashes) if usable > 0 else 0
+        if not dep.contract.tail_key_boundaries:
+            return LookupResult(hit, ())
+        boundaries = dep.tail_boundaries(hit, presence, num_hashes)
+        return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
 
     def _count(self, keys: int, failed: int, hit: int) -> None:
         with self._stats_lock:

@@ -2,11 +2,13 @@
 
 A pool key names one chunk of one KV-cache group in one rank namespace::
 
-    [<cache_prefix>@]<model>@tp_rank:<T>@pcp<P>@dcp<D>@pp_rank:<S>@group:<G>@<hex>
+    [<cache_prefix>@]<model><store_namespace>@tp_rank:<T>@pcp<P>@dcp<D>@pp_rank:<S>@group:<G>@<hex>
 
 byte for byte as vLLM's ``MooncakeStoreConnector`` writes it. ``cache_prefix`` is left out
-exactly when it is the empty string; ``pcp`` and ``dcp`` carry no colon; ``<hex>`` is the
-lowercase hex of the chunk hash.
+exactly when it is the empty string; ``store_namespace`` (vLLM 0.33, e.g.
+``@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc``) stands verbatim right after the model
+name, and is empty unless a store layout was asked for; ``pcp`` and ``dcp`` carry no colon;
+``<hex>`` is the lowercase hex of the chunk hash.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ _SEP = "@"
 
 @dataclass(frozen=True, order=True)
 class KeyMetadata:
-    """The rank namespace and group a key belongs to (vLLM's ``KeyMetadata``, same fields)."""
+    """The rank namespace and group a key belongs to (vLLM's ``KeyMetadata``, same fields in the
+    same order; ``store_namespace`` came with vLLM 0.33)."""
 
     model_name: str
     tp_rank: int
@@ -32,10 +35,12 @@ class KeyMetadata:
     pp_rank: int
     group_id: int = 0
     cache_prefix: str = ""
+    store_namespace: str = ""
 
     def __post_init__(self) -> None:
         str_arg("model_name", self.model_name)
         str_arg("cache_prefix", self.cache_prefix)
+        str_arg("store_namespace", self.store_namespace)
         for name in ("tp_rank", "pcp_rank", "dcp_rank", "pp_rank", "group_id"):
             int_arg(name, getattr(self, name), min=0)
 
@@ -66,7 +71,7 @@ class PoolKey:
         pp = md.pp_rank if pp_rank is None else int_arg("pp_rank", pp_rank, min=0)
         head = md.cache_prefix + _SEP if md.cache_prefix else ""
         return (
-            f"{head}{md.model_name}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}"
+            f"{head}{md.model_name}{md.store_namespace}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}"
             f"@pp_rank:{pp}@group:{md.group_id}"
         )
 
