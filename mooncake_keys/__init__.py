@@ -12,7 +12,7 @@ Names that need torch or the Mooncake client are imported on first use.
 from .lookup._core import ACCELERATED
 from .lookup.coordinator import Coordinator
 from .lookup.deployment import Deployment
-from .lookup.engine import LookupEngine, LookupStats
+from .lookup.engine import LookupEngine, LookupResult, LookupStats, TailKeyBoundary
 from .lookup.hashes import BlockHashes
 from .lookup.keycache import KeyCache, KeyCacheStats
 from .lookup.keys import KeyMetadata, PoolKey, model_name_from_path
@@ -69,6 +69,7 @@ __all__ = [
     "LocalMaster",
     "LocalMasterError",
     "LookupEngine",
+    "LookupResult",
     "LookupStats",
     "MemoryStore",
     "MooncakeStore",
@@ -80,6 +81,7 @@ __all__ = [
     "PoolKey",
     "SaveResult",
     "SlidingWindowSpec",
+    "TailKeyBoundary",
     "model_name_from_path",
     "open_store",
 ]

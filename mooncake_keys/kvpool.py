@@ -246,6 +246,7 @@ class KVPool:
         store: Any,
         store_namespace: str = "",
         vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        allow_ambiguous_names: bool = False,
         core: Optional[str] = None,
     ) -> None:
         missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
@@ -256,6 +257,7 @@ class KVPool:
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
             cache_prefix=cache_prefix, store_namespace=store_namespace, vllm_compat=vllm_compat,
+            allow_ambiguous_names=allow_ambiguous_names,
             core=core,
         )
         #: The store groups (prefix-cacheable ones): one KV-cache tensor each.

@@ -99,7 +99,8 @@ def _build(case, store, **kw):
                                dcp_size=lay["dcp"], num_kv_heads=lay["heads"], use_mla=lay["mla"])
     groups = [mk.KVCacheGroup(s, f) for s, f in zip(case["specs"], case["flags"])]
     eng = mk.LookupEngine(case["model"], groups, layout, hash_block_size=case["hash_bs"],
-                          use_eagle=case["use_eagle"], cache_prefix=case["prefix"], store=store, **kw, vllm_compat="0.25")
+                          use_eagle=case["use_eagle"], cache_prefix=case["prefix"], store=store, **kw, vllm_compat="0.25",
+                          allow_ambiguous_names=True)  # "a@b" is among the names drawn
     ref = RefEngine(case["model"], case["specs"], case["flags"], tp=lay["tp"], pp=lay["pp"],
                     pcp=lay["pcp"], dcp=lay["dcp"], heads=lay["heads"], mla=lay["mla"],
                     hash_bs=case["hash_bs"], use_eagle=case["use_eagle"], cache_prefix=case["prefix"])

@@ -97,6 +97,22 @@ class LookupPlan:
         return presence
 
 
+def _check_unambiguous(model_name: str, cache_prefix: str) -> None:
+    """Refuse an ``@`` in the model name or cache prefix: the key grammar joins them with ``@``,
+    so such names make two deployments' keys identical (model ``"a@m"`` without a prefix writes
+    exactly the keys of model ``"m"`` with ``cache_prefix="a"``) and ``cache_prefix`` would no
+    longer isolate them."""
+    for name, value in (("model_name", model_name), ("cache_prefix", cache_prefix)):
+        if "@" in value:
+            raise ValueError(
+                f"{name} {value!r} contains '@', the key grammar's separator: its keys could be "
+                "another deployment's (model 'a@m' without a cache prefix writes the keys of model "
+                "'m' with cache_prefix 'a'), so cache_prefix would not isolate them. Pass "
+                "allow_ambiguous_names=True only for an existing deployment whose keys already use "
+                "such a name."
+            )
+
+
 def _normalise_groups(groups: Any, layout: ParallelLayout) -> Tuple[KVCacheGroup, ...]:
     if isinstance(groups, (KVCacheGroup, FullAttentionSpec, SlidingWindowSpec)):
         groups = [groups]
@@ -121,7 +137,10 @@ class Deployment:
     (a multiple of it); ``scheduler_block_size`` (default: lcm of every group's block size,
     dropped groups included, and a multiple of each) per aligned hit. ``vllm_compat`` names the
     vLLM release whose lookup is reproduced (:mod:`.contract`); ``store_namespace`` and
-    ``partial_hash_hits`` are vLLM 0.33's. ``core`` pins the key-building core (``"c"``
+    ``partial_hash_hits`` are vLLM 0.33's. An ``@`` in ``model_name`` or ``cache_prefix`` is
+    refused (keys of two deployments could collide) unless ``allow_ambiguous_names``: for an
+    existing deployment whose keys already use such a name, and then ``cache_prefix`` does not
+    isolate it. ``core`` pins the key-building core (``"c"``
     compiled, ``"py"`` pure Python; None: the active one, see ``mooncake_keys.ACCELERATED``).
     """
 
@@ -138,11 +157,14 @@ class Deployment:
         store_namespace: str = "",
         partial_hash_hits: bool = False,
         vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        allow_ambiguous_names: bool = False,
         core: Optional[str] = None,
     ) -> None:
         self.contract: Contract = get_contract(vllm_compat)
         self.model_name = str_arg("model_name", model_name)
         self.cache_prefix = str_arg("cache_prefix", cache_prefix)
+        if not bool_arg("allow_ambiguous_names", allow_ambiguous_names):
+            _check_unambiguous(self.model_name, self.cache_prefix)
         self.store_namespace = str_arg("store_namespace", store_namespace)
         self.partial_hash_hits = bool_arg("partial_hash_hits", partial_hash_hits)
         if not isinstance(layout, ParallelLayout):

@@ -98,6 +98,7 @@ class LookupEngine:
         store_namespace: str = "",
         partial_hash_hits: bool = False,
         vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        allow_ambiguous_names: bool = False,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
         core: Optional[str] = None,
@@ -108,7 +109,8 @@ class LookupEngine:
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
             cache_prefix=cache_prefix, store_namespace=store_namespace,
-            partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat, core=core,
+            partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
+            allow_ambiguous_names=allow_ambiguous_names, core=core,
         )
         self.store = store
         self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=self.deployment.core.REUSES_STRINGS)
