@@ -234,10 +234,6 @@ class Deployment:
                     f"scheduler_block_size ({sbs}) must be a multiple of groups[{g}] block_size "
                     f"({grp.spec.block_size})"
                 )
-        if self.partial_hash_hits and hbs >= sbs:
-            raise ValueError(
-                f"partial_hash_hits needs hash_block_size ({hbs}) < scheduler_block_size ({sbs})"
-            )
 
     def _mla(self, group: int) -> Optional[bool]:
         """Whether store group ``group`` counts as MLA for its namespaces (None: the layout's)."""

@@ -1,0 +1,54 @@
+"""Tests against the real vLLM package's own code (a vLLM release installed in this interpreter).
+
+``scripts/dev.sh test`` runs this folder in a venv per vLLM release (0.33.0, 0.25.1), once on
+the compiled core and once with ``MOONCAKE_KEYS_NO_EXTENSIONS=1``, with ``MK_REQUIRE_VLLM``
+set to the release: then a missing or different vLLM fails the run instead of skipping it.
+Elsewhere (no vLLM installed) the folder is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+REQUIRED = os.environ.get("MK_REQUIRE_VLLM", "")
+
+
+def _vllm_version() -> str:
+    if importlib.util.find_spec("vllm") is None:
+        return ""
+    from importlib import metadata
+
+    return metadata.version("vllm")
+
+
+VLLM_VERSION = _vllm_version()
+
+if REQUIRED and VLLM_VERSION != REQUIRED:
+    raise pytest.UsageError(
+        f"MK_REQUIRE_VLLM={REQUIRED} but this interpreter has vLLM {VLLM_VERSION or 'not installed'}"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if VLLM_VERSION:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed (scripts/dev.sh test runs these in its vLLM venvs)")
+    for item in items:
+        if "/tests/vllm/" in str(item.fspath):
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Under MK_REQUIRE_VLLM nothing here may be skipped: a skip would hide a test not run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped") if reporter is not None else None
+    if REQUIRED and skipped and session.exitstatus == 0:
+        print(f"\nerror: {len(skipped)} test(s) skipped under MK_REQUIRE_VLLM={REQUIRED}", file=sys.stderr)
+        session.exitstatus = 1
