@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import types
@@ -20,15 +19,7 @@ except ImportError:  # the Mooncake I/O modules are optional
     pass
 
 
-def _load_c():
-    try:
-        return importlib.import_module("mooncake_keys.lookup._core_c")
-    except ImportError:
-        return None
-
-
-CORE_C = _load_c()
-CORE_PY = importlib.import_module("mooncake_keys.lookup._core_py")
+from cores import CORE_C  # noqa: E402
 
 IMPLS = [
     pytest.param("c", marks=pytest.mark.c_extension, id="c"),

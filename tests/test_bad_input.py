@@ -176,7 +176,7 @@ def test_negative_and_unknown_codes_count_as_missing(impl, recording_store):
 
 
 def test_non_ascii_names_are_identical_on_both_cores(recording_store):
-    from conftest import CORE_C
+    from cores import CORE_C
 
     if CORE_C is None:
         pytest.skip("the compiled core is not built")

@@ -26,7 +26,7 @@ from cases import AnswerStore, engine_for, random_cfg, random_request, random_st
 F.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
 V033 = F.IS_033
 CASES = int(os.environ.get("MK_VLLM_CASES", "3000"))
-BATCHES = 30
+BATCHES = max(1, min(30, CASES))
 REQUESTS = 4
 
 
@@ -90,11 +90,11 @@ def compare_one(seed: int, tally: Counter) -> None:
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_lookup_agrees_with_vllm(batch):
     tally: Counter = Counter()
-    per = -(-CASES // BATCHES)
-    for seed in range(batch * per, min(CASES, (batch + 1) * per)):
+    seeds = range(batch * CASES // BATCHES, (batch + 1) * CASES // BATCHES)
+    for seed in seeds:
         compare_one(seed, tally)
     print(dict(tally))
-    assert tally["compared"] > per  # most deployments build and are compared
+    assert tally["compared"] >= len(seeds)  # most deployments build, and each asks several times
     assert tally["hit"] > 0
 
 

@@ -8,23 +8,23 @@ Elsewhere (no vLLM installed) nothing in this folder is collected.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.dirname(__file__))  # vllm_factory, cases
 
 REQUIRED = os.environ.get("MK_REQUIRE_VLLM", "")
 
 
 def _vllm_version() -> str:
-    if importlib.util.find_spec("vllm") is None:
-        return ""
     from importlib import metadata
 
-    return metadata.version("vllm")
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 VLLM_VERSION = _vllm_version()
