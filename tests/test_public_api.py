@@ -37,3 +37,22 @@ def test_import_is_light():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mooncake', 'vllm', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_vllm_dropin_says_what_to_install_when_vllm_is_missing():
+    """Without vLLM, ``mooncake_keys.vllm`` raises an ImportError naming the package and version;
+    the rest of the package is unaffected."""
+    code = ("import importlib.util, sys\n"
+            "if importlib.util.find_spec('vllm'): print('HAS-VLLM'); sys.exit(0)\n"
+            "import mooncake_keys as mk\n"
+            "try:\n    import mooncake_keys.vllm\nexcept ImportError as exc:\n    print('IMPORTERROR', exc)\n"
+            "print(mk.LookupEngine('m', [mk.FullAttentionSpec(16)], mk.ParallelLayout(), hash_block_size=16,"
+            " store=mk.MemoryStore()).lookup(32, [b'a' * 16, b'b' * 16]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    if out.stdout.startswith("HAS-VLLM"):
+        import pytest
+
+        pytest.skip("vLLM is installed here (tests/against_vllm covers the drop-in)")
+    first, second = out.stdout.strip().splitlines()
+    assert first.startswith("IMPORTERROR") and "pip install 'vllm==0.33.*'" in first
+    assert second == "0"

@@ -266,6 +266,7 @@ _DEFAULTS: dict[str, Any] = {
     "num_speculative_tokens": 1,
     "disable_eagle_block_drop": None,
     "kv_role": "kv_both",
+    "kv_connector": "MooncakeStoreConnector",
     "extra_config": None,
     "kv_connector_module_path": None,
     "kv_cache_layout": "LBNHC",
@@ -600,7 +601,7 @@ def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
             cache_kwargs["prefix_cache_retention_interval"] = c["prefix_cache_retention_interval"]
         cache_config = CacheConfig(**cache_kwargs)
         kv_kwargs: dict[str, Any] = dict(
-            kv_connector="MooncakeStoreConnector",
+            kv_connector=c["kv_connector"],
             kv_role=c["kv_role"],
             kv_connector_extra_config=extra,
         )

@@ -1,0 +1,135 @@
+"""The drop-in, with the real vLLM package: ``accelerate_worker`` against the worker's own
+lookup, the connector resolved by vLLM's own factory, and deployments that must fall back.
+
+For each random deployment, vLLM's worker is built by its own code; the same requests are asked
+of its own lookup, then of the accelerated one, against the same store: results (vLLM's own
+types, equal values), keys (one call, equal lists) and the ``lookup_exists`` metric records
+(equal but for durations) must match, and every deployment the engine can express must be
+accelerated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import pytest
+
+F = pytest.importorskip("vllm_factory")
+from cases import AnswerStore, random_cfg, random_request, random_store  # noqa: E402
+
+import mooncake_keys.vllm as mv  # noqa: E402
+from mooncake_keys.vllm.worker import FastLookup  # noqa: E402
+
+F.quiet(logging.CRITICAL)
+CASES = int(os.environ.get("MK_VLLM_DROPIN_CASES", "1500"))
+BATCHES = max(1, min(15, CASES))
+
+
+def lookup_records(worker):
+    stats = worker.kv_connector_stats
+    return [{k: v for k, v in r.items() if k != "duration_seconds"} for r in stats.data.get("lookup_exists", [])]
+
+
+def answers(worker, requests, stores):
+    out = []
+    for (num_tokens, hashes), store in zip(requests, stores):
+        worker.store = store
+        try:
+            res = worker.lookup(num_tokens, hashes)
+        except Exception as exc:  # noqa: BLE001 - vLLM's own crash is an outcome
+            out.append(("raised", type(exc).__name__))
+            continue
+        out.append((type(res).__name__, repr(res)))
+    return out
+
+
+@pytest.mark.parametrize("batch", range(BATCHES))
+def test_accelerated_worker_answers_as_vllm(batch):
+    accelerated = 0
+    for seed in range(batch * CASES // BATCHES, (batch + 1) * CASES // BATCHES):
+        rng = random.Random(f"dropin:{seed}")
+        cfg = random_cfg(rng, F.IS_033)
+        try:
+            worker = F.build_worker(cfg, AnswerStore(lambda k: 0))
+        except F.ConfigRejected:
+            continue
+        try:
+            requests = [random_request(rng, cfg, F.IS_033) for _ in range(4)]
+            plans = [random_store(rng, hashes, cfg) for _, hashes in requests]
+            theirs = [AnswerStore(p.answer, p.fault) for p in plans]
+            ours = [AnswerStore(p.answer, p.fault) for p in plans]
+            want = answers(worker, requests, theirs)
+            want_records = lookup_records(worker)
+            worker.kv_connector_stats.reset()
+            assert mv.accelerate_worker(worker), cfg  # every generated deployment is expressible
+            assert isinstance(worker.lookup, FastLookup)
+            got = answers(worker, requests, ours)
+            for w, g, t, o, p in zip(want, got, theirs, ours, plans):
+                if p.fault == "short":  # vLLM raises or reads part; ours is the fault answer, 0
+                    assert g[1] in ("0", "MooncakeLookupResult(hit_length=0, tail_key_boundaries=())")
+                    continue
+                if w[0] == "raised":
+                    assert g[0] != "raised"
+                    continue
+                assert g == w, cfg
+                assert o.calls == t.calls
+            if not any(p.fault == "short" for p in plans) and all(w[0] != "raised" for w in want):
+                assert lookup_records(worker) == want_records
+            accelerated += 1
+        finally:
+            F.release(worker)
+    assert accelerated >= (CASES // BATCHES) // 2
+
+
+@pytest.mark.parametrize("group", [
+    {"type": "mamba", "block_size": 16},
+    {"type": "chunked_local", "block_size": 16, "attention_chunk_size": 64},
+    {"type": "sink_full", "block_size": 16, "sink_len": 16},
+])
+def test_what_cannot_be_expressed_keeps_vllms_lookup(group, caplog):
+    cfg = {"groups": [{"type": "full", "block_size": 16}, group], "reuse_model_config": True}
+    try:
+        worker = F.build_worker(cfg, AnswerStore(lambda k: 1))
+    except F.ConfigRejected as exc:
+        pytest.skip(f"vLLM {F.VLLM_VERSION} refuses it: {exc}")
+    original = worker.lookup
+    with caplog.at_level(logging.INFO, logger="mooncake_keys"):
+        assert mv.accelerate_worker(worker) is False
+        assert mv.accelerate_worker(worker) is False
+    assert worker.lookup == original
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("mooncake_keys")]
+    assert len(lines) == 1 and "keeping vLLM's own Mooncake lookup" in lines[0], lines
+    F.release(worker)
+
+
+def test_the_factory_resolves_the_connector_and_accelerates_rank_0():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+           "tp_size": 2, "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
+    vllm_config, _ = F.build_configs(cfg)
+    assert KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config) is mv.FastMooncakeStoreConnector
+    rank0 = F.build_worker(cfg, AnswerStore(lambda k: 1))
+    assert type(rank0._harness_connector) is mv.FastMooncakeStoreConnector
+    assert isinstance(rank0.lookup, FastLookup)
+    other = F.build_worker({**cfg, "tp_rank": 1}, AnswerStore(lambda k: 1))
+    assert not isinstance(other.lookup, FastLookup)  # only rank 0 answers lookups
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    full = 48 if F.IS_033 else 64  # 0.33 recomputes the last block of a full hit
+    assert F.hit_length(rank0.lookup(64, hashes)) == F.hit_length(other.lookup(64, hashes)) == full
+    F.release(rank0)
+    F.release(other)
+
+
+def test_the_wire_view_of_hashes_is_read_without_a_copy():
+    """On rank 0 the lookup server hands ``lookup`` vLLM's ``BlobBlockHashes`` over a ZMQ frame."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
+
+    from mooncake_keys.vllm.worker import as_block_hashes
+
+    blob = bytearray(b"".join(bytes([i]) * 16 for i in range(5)) + b"xyz")  # trailing bytes ignored
+    view = as_block_hashes(BlobBlockHashes(memoryview(blob), 16))
+    assert len(view) == 5 and view.hash_len == 16 and view.blob.obj is blob
+    assert len(as_block_hashes(BlobBlockHashes(memoryview(blob), 0))) == 0
