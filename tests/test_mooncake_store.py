@@ -27,7 +27,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytest.importorskip("mooncake.store")
 pytestmark = pytest.mark.mooncake  # fixtures mooncake_master / mooncake_store come from conftest.py
 
-from mooncake_keys.store.local_master import LocalMaster, LocalMasterError, _free_port  # noqa: E402
+from mooncake_keys.store.local_master import LocalMaster, LocalMasterError, free_port as _free_port  # noqa: E402
 from mooncake_keys.store.config import MooncakeStoreConfig, parse_size  # noqa: E402
 from mooncake_keys.store.keycheck import check_keys  # noqa: E402
 from mooncake_keys.store.mooncake import (  # noqa: E402

@@ -5,8 +5,9 @@ process-wide environment variables.
 in ``MOONCAKE_CONFIG_PATH``), with vLLM's defaults.
 
 Client environment variables (process-wide; an explicit argument wins, then a value already
-exported, then ours): ``MC_STORE_CLIENT_SETUP_RETRIES`` (ours 1) and ``MC_RPC_TIMEOUT_MS`` (ours
-2000 ms) are read by each ``setup()``; ``MC_TCP_BIND_ADDRESS`` is set to a loopback
+exported, then ours): ``MC_STORE_CLIENT_SETUP_RETRIES`` (ours 1), ``MC_RPC_TIMEOUT_MS`` (ours
+1000 ms: how long a hung master holds a call) and ``MC_RPC_CONNECT_TIMEOUT_MS`` (ours 500 ms:
+each of the client's connect attempts to a master that drops packets) are read by ``setup()``; ``MC_TCP_BIND_ADDRESS`` is set to a loopback
 ``local_hostname``; ``MC_LOG_LEVEL`` (ours ERROR) is read only when ``mooncake.store`` is first
 imported, so set it before any other import of it.
 """
@@ -18,6 +19,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 from typing import Any, Literal
 
 __all__ = [
@@ -42,7 +44,11 @@ _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(gb|mb|kb|b)?")
 #: 1 retry: setup() against no master fails in ~4.4 s instead of ~90 s.
 DEFAULT_SETUP_RETRIES = 1
 #: Bounds every RPC to a hung master (the client's default is 30 s).
-DEFAULT_RPC_TIMEOUT_MS = 2000
+DEFAULT_RPC_TIMEOUT_MS = 1000
+#: Bounds each connect attempt to a master whose host drops packets (the client's default: 30 s).
+DEFAULT_RPC_CONNECT_TIMEOUT_MS = 500
+#: The largest config file read: a vLLM Mooncake config is a few hundred bytes.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def parse_size(value: Any) -> int:
@@ -132,9 +138,22 @@ class MooncakeStoreConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> MooncakeStoreConfig:
-        """Read a vLLM Mooncake JSON config file."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """Read a vLLM Mooncake JSON config file (a regular file of at most 1 MiB)."""
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise ValueError(f"Mooncake config {os.fspath(path)!r}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"Mooncake config {os.fspath(path)!r} is not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ValueError(f"Mooncake config {os.fspath(path)!r} is larger than {MAX_CONFIG_BYTES} bytes")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"Mooncake config {os.fspath(path)!r} is not JSON: {exc}") from None
+        return cls.from_dict(data)
 
     @classmethod
     def from_env(cls) -> MooncakeStoreConfig:
@@ -166,6 +185,7 @@ def set_client_env(local_hostname: str, setup_retries: int | None, rpc_timeout_m
     for name, value, default in (
         ("MC_STORE_CLIENT_SETUP_RETRIES", setup_retries, DEFAULT_SETUP_RETRIES),
         ("MC_RPC_TIMEOUT_MS", rpc_timeout_ms, DEFAULT_RPC_TIMEOUT_MS),
+        ("MC_RPC_CONNECT_TIMEOUT_MS", None, DEFAULT_RPC_CONNECT_TIMEOUT_MS),
     ):
         if value is not None:
             os.environ[name] = str(int(value))

@@ -3,47 +3,54 @@
 >>> with LocalMaster() as master:                        # doctest: +SKIP
 ...     store = MooncakeStore.connect(master.master_address)
 
-The master listens on loopback only (RPC and metrics ports) and runs no HTTP
-metadata server: clients use ``metadata_server="P2PHANDSHAKE"``. The master
-keeps everything in memory, so a restart loses every key.
+The master listens on loopback only (RPC and metrics ports) and runs no HTTP metadata server:
+clients use ``metadata_server="P2PHANDSHAKE"``. It keeps everything in memory, so a restart
+loses every key (an HA master with an oplog does not: see :mod:`.local_cluster`).
+
+It dies with the process that started it, whatever ends that process (Linux: see
+:mod:`.process`), and it is ready only when *it* answers: alive, ``/health`` ready, and the RPC
+and metrics ports held by its own sockets (a second master on ports another one holds would
+otherwise look ready, answered for by the first, until it dies a second later).
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Optional
 
-__all__ = ["LocalMaster", "LocalMasterError", "find_master_executable"]
+from .process import ManagedProcess, owns_listening_port
+
+__all__ = ["LocalMaster", "LocalMasterError", "find_master_executable", "free_port"]
 
 logger = logging.getLogger("mooncake_keys.store")
 
 HOST = "127.0.0.1"
 _EXE = "mooncake_master"
 # No proxy: an http_proxy variable must never route our health probe elsewhere.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_RUNNING: set[LocalMaster] = set()
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_RUNNING: set = set()
 
 
 class LocalMasterError(RuntimeError):
-    """mooncake_master could not be found, started or made ready."""
+    """mooncake_master (or etcd) could not be found, started or made ready."""
 
 
 def find_master_executable() -> str:
-    """Path of ``mooncake_master``: the binary inside the installed ``mooncake``
-    package first (so our PID is the master's own), then next to
-    ``sys.executable``, then ``$PATH``."""
+    """Path of ``mooncake_master``: the binary inside the installed ``mooncake`` package first
+    (so our PID is the master's own), then next to ``sys.executable``, then ``$PATH``."""
     spec = importlib.util.find_spec("mooncake")
     candidates = [os.path.join(d, _EXE) for d in (spec.submodule_search_locations or [])] if spec else []
     candidates.append(os.path.join(os.path.dirname(sys.executable), _EXE))
@@ -59,33 +66,43 @@ def find_master_executable() -> str:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
+def http_json(url: str, timeout: float = 0.5) -> Optional[Any]:
+    """GET ``url`` and parse JSON; None on any failure."""
+    try:
+        with OPENER.open(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
 class LocalMaster:
     """A ``mooncake_master`` child process bound to 127.0.0.1.
 
-    Ports are picked free on first start and kept by :meth:`restart`.
-    ``default_kv_lease_ttl`` is in ms (our default 200, the master's 10000):
-    a lookup leases every key it finds, and a short lease lets tests remove
-    keys soon after. ``ready_timeout`` is in seconds. Used as a context
-    manager it stops the master on exit, also when the body raised; an
-    ``atexit`` hook stops any master still running when Python exits.
+    Ports are picked free on first start and kept by :meth:`restart`. ``default_kv_lease_ttl``
+    is in ms (ours 200, the master's 10000): a lookup leases every key it finds, and a short
+    lease lets tests remove keys soon after. ``ready_timeout`` is in seconds. With
+    ``etcd_endpoints`` (``"127.0.0.1:PORT"``) it is an HA master with an oplog (see
+    :class:`~mooncake_keys.store.local_cluster.LocalCluster`). Used as a context manager it
+    stops the master on exit; an ``atexit`` hook stops any master still running.
     """
 
     def __init__(
         self,
         *,
-        rpc_port: int | None = None,
-        metrics_port: int | None = None,
-        default_kv_lease_ttl: int | None = 200,
-        log_path: str | os.PathLike[str] | None = None,
+        rpc_port: Optional[int] = None,
+        metrics_port: Optional[int] = None,
+        default_kv_lease_ttl: Optional[int] = 200,
+        log_path: Optional[str | os.PathLike[str]] = None,
         extra_args: Sequence[str] = (),
         ready_timeout: float = 15.0,
-        executable: str | None = None,
+        executable: Optional[str] = None,
+        etcd_endpoints: Optional[str] = None,
     ) -> None:
         self.rpc_port = rpc_port
         self.metrics_port = metrics_port
@@ -93,11 +110,12 @@ class LocalMaster:
         self.extra_args = list(extra_args)
         self.ready_timeout = ready_timeout
         self.executable = executable
+        self.etcd_endpoints = etcd_endpoints
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._child = ManagedProcess("mooncake_master", str(self.log_path))
 
     # ----------------------------------------------------------- addresses
 
@@ -114,21 +132,21 @@ class LocalMaster:
         return "P2PHANDSHAKE"
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+    def pid(self) -> Optional[int]:
+        return self._child.pid
 
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._child.is_running()
+
+    def health(self) -> Optional[dict]:
+        """The master's ``/health`` answer (role, ha_state, service_ready, ...), or None."""
+        if self.metrics_port is None:
+            return None
+        return http_json(f"http://{HOST}:{self.metrics_port}/health")
 
     # ----------------------------------------------------------- lifecycle
 
-    def start(self) -> LocalMaster:
-        """Start the master and wait until ``/health`` says it is ready."""
-        if self.is_running():
-            raise LocalMasterError(f"mooncake_master already running (pid {self.pid})")
-        exe = self.executable or find_master_executable()
-        self.rpc_port = self.rpc_port or _free_port()
-        self.metrics_port = self.metrics_port or _free_port()
+    def _args(self, exe: str) -> list:
         args = [
             exe,
             f"--rpc_address={HOST}",
@@ -139,36 +157,62 @@ class LocalMaster:
         ]
         if self.default_kv_lease_ttl is not None:
             args.append(f"--default_kv_lease_ttl={int(self.default_kv_lease_ttl)}")
-        args += self.extra_args
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        if self.etcd_endpoints:
+            args += ["--enable_ha=true", "--enable_oplog=true", f"--etcd_endpoints={self.etcd_endpoints}",
+                     "--enable_metric_reporting=false"]
+        return args + self.extra_args
+
+    def start(self) -> "LocalMaster":
+        """Start the master and wait until it is ready (an HA master: serving or standby)."""
+        if self.is_running():
+            raise LocalMasterError(f"mooncake_master already running (pid {self.pid})")
+        exe = self.executable or find_master_executable()
+        self.rpc_port = self.rpc_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        self._child.start(self._args(exe))
         _RUNNING.add(self)
         try:
-            self._wait_ready()
+            self._wait(self._ready, self.ready_timeout, "ready")
         except BaseException:
             self.stop()
             raise
         logger.debug("mooncake_master pid %s ready at %s", self.pid, self.master_address)
         return self
 
-    def _wait_ready(self) -> None:
-        url = f"http://{HOST}:{self.metrics_port}/health"
-        deadline = time.monotonic() + self.ready_timeout
-        assert self._proc is not None
+    def _owns(self, port: Optional[int]) -> bool:
+        return self.pid is not None and port is not None and owns_listening_port(self.pid, port)
+
+    def _ready(self) -> bool:
+        """Alive, /health answered by this child, and (unless an HA standby) serving on its RPC port."""
+        h = self.health()
+        if not h or not self._owns(self.metrics_port):
+            return False
+        if self.etcd_endpoints and h.get("ha_state") in ("standby", "candidate", "leader_warmup"):
+            return True  # a standby opens its RPC port only when it starts serving
+        return bool(h.get("service_ready")) and self._owns(self.rpc_port)
+
+    def serving(self) -> bool:
+        """This master serves (the leader, with its RPC port held by its own socket)."""
+        h = self.health()
+        return bool(h and h.get("service_ready")) and self._owns(self.rpc_port)
+
+    def wait_serving(self, timeout: float = 30.0) -> "LocalMaster":
+        """Wait until this (HA) master is the serving leader."""
+        self._wait(self.serving, timeout, "serving")
+        return self
+
+    def _wait(self, condition: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            rc = self._proc.poll()
+            rc = self._child.exit_code()
             if rc is not None:
                 raise LocalMasterError(self._exit_message(rc))
-            try:
-                with _OPENER.open(url, timeout=0.5) as resp:
-                    if b'"service_ready":true' in resp.read():
-                        return
-            except OSError:
-                pass
+            if condition():
+                return
             if time.monotonic() > deadline:
                 raise LocalMasterError(
-                    f"mooncake_master not ready after {self.ready_timeout} s at {url}; log {self.log_path}:\n"
-                    + self.log_tail()
+                    f"mooncake_master pid {self.pid} not {what} after {timeout} s at {HOST}:{self.rpc_port} "
+                    f"(metrics {self.metrics_port}); log {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
 
@@ -177,51 +221,36 @@ class LocalMaster:
         hint = ""
         if "libibverbs.so.1" in tail:
             hint = " It needs the system library libibverbs.so.1: run 'apt-get install libibverbs1'."
+        elif "Address already in use" in tail or rc == 1:
+            hint = f" Are its ports ({self.rpc_port}, {self.metrics_port}) taken by another process?"
         return f"mooncake_master exited with code {rc} before it was ready.{hint} Log {self.log_path}:\n{tail}"
 
     def log_tail(self, chars: int = 3000) -> str:
         """The last ``chars`` characters of the master's log."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
+        return self._child.log_tail(chars)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (graceful, ~1-2 s), then SIGKILL after ``timeout`` seconds."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            self._signal(signal.SIGCONT)  # a paused master cannot act on SIGTERM
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("mooncake_master pid %s ignored SIGTERM for %s s; killing it", proc.pid, timeout)
-                proc.kill()
-                proc.wait()
+        self._child.stop(timeout)
         _RUNNING.discard(self)
 
     def kill(self) -> None:
         """SIGKILL the master at once and reap it (for fault tests)."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        self._child.kill()
         _RUNNING.discard(self)
 
-    def restart(self) -> LocalMaster:
-        """Stop if running, then start again on the same ports (keys are lost)."""
+    def restart(self) -> "LocalMaster":
+        """Stop if running, then start again on the same ports (a plain master loses its keys)."""
         self.stop()
         return self.start()
 
     def pause(self, timeout: float = 2.0) -> None:
         """SIGSTOP the master, so that calls to it hang (for fault tests).
 
-        Returns once every thread is stopped (Linux ``/proc``), so that a
-        request sent right after cannot slip through while the signal lands.
+        Returns once every thread is stopped (Linux ``/proc``), so that a request sent right
+        after cannot slip through while the signal lands.
         """
-        self._signal(signal.SIGSTOP)
+        self._child.signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout
         while self.is_running() and not self._all_threads_stopped() and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -240,13 +269,9 @@ class LocalMaster:
 
     def resume(self) -> None:
         """SIGCONT a paused master."""
-        self._signal(signal.SIGCONT)
+        self._child.signal(signal.SIGCONT)
 
-    def _signal(self, sig: int) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(sig)
-
-    def __enter__(self) -> LocalMaster:
+    def __enter__(self) -> "LocalMaster":
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

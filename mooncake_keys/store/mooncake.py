@@ -1,35 +1,39 @@
 """A safe adapter over Mooncake's ``MooncakeDistributedStore`` client.
 
-The raw client has sharp edges (see ``docs/mooncake.md``):
+The raw client has sharp edges (docs/mooncake.md):
 
-* any method called before a successful ``setup()`` or after ``close()`` is a
-  SIGSEGV, not an exception;
-* with a dead master every RPC stalls ~4.3 s before it returns -900, and with
-  a hung master it stalls for the whole RPC timeout (30 s by default);
+* any method called before a successful ``setup()`` or after ``close()`` is a SIGSEGV, not an
+  exception (so are ``setup`` with an empty master address, and ``rpc_only`` with memory);
+* with a dead master every call stalls ~4.3 s before it returns -900, whatever the timeouts
+  say; a hung master holds a call for the whole RPC timeout (30 s by default);
 * ``setup()`` against an unreachable master retries for ~90 s by default;
 * a key with a lone surrogate makes the whole batch call fail.
 
-:class:`MooncakeStore` keeps its own open flag, checks ``health_check()``
-before every call to the master, validates keys before the RPC and sets
-short timeouts through the client's environment variables (``config``). Its
-method names match the client's, so it is a drop-in ``store`` for a lookup
-engine.
+:class:`MooncakeStore` keeps its own open flag (:mod:`.gate`), validates arguments and keys
+before the client sees them, sets bounded timeouts (:mod:`.config`), refuses calls at once
+while a probe cannot reach the master (:mod:`.probe`), and runs every existence call on a lane
+with a time limit (:mod:`.lane`): a lookup never waits longer than ``call_timeout_s``, the
+first call after a master dies included. Its method names match the client's, so it is a
+drop-in ``store`` for a lookup engine and a KV pool.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable, List, Optional
 
-from .keycheck import check_batch, check_key, check_keys
 from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, parse_size, set_client_env
 from .gate import CallGate, GateClosed
-from .probe import DEFAULT_PROBE_INTERVAL_S, MasterProbe
+from .keycheck import check_batch, check_key, check_keys
+from .lane import CallLane, LaneBusy, LaneTimeout
+from .probe import DEFAULT_PROBE_INTERVAL_S, MasterProbe, parse_master_address, resolve_master
 
 __all__ = [
+    "DEFAULT_CALL_TIMEOUT_S",
     "MooncakeStore",
     "MooncakeStoreError",
     "MooncakeStoreUnavailable",
@@ -37,8 +41,16 @@ __all__ = [
 
 logger = logging.getLogger("mooncake_keys.store")
 
+#: Seconds an existence call (``batch_is_exist``, ``is_exist``) may take before it is given up.
+DEFAULT_CALL_TIMEOUT_S = 0.5
+
 #: ``ErrorCode::RPC_FAIL``: the master could not be reached for this call.
 RPC_FAIL = -900
+#: The protocol of a client that only asks the master (no segment, no buffer, no listener).
+LOOKUP_ONLY_PROTOCOL = "rpc_only"
+_PROTOCOLS = ("tcp", "rdma", LOOKUP_ONLY_PROTOCOL)
+#: The smallest segment the client accepts (it answers -600 below).
+MIN_SEGMENT_SIZE = 16 << 20
 
 #: ``health_check()`` codes of the Mooncake client.
 HEALTHY, NOT_INITIALISED, MASTER_UNREACHABLE = 0, 1, 2
@@ -46,6 +58,7 @@ _HEALTH_REASONS = {
     NOT_INITIALISED: "client not initialised or closed",
     MASTER_UNREACHABLE: "master unreachable",
 }
+_BIND_WARNED = False
 
 
 class MooncakeStoreError(RuntimeError):
@@ -53,10 +66,9 @@ class MooncakeStoreError(RuntimeError):
 
 
 class MooncakeStoreUnavailable(MooncakeStoreError):
-    """The client's health check is not OK, so no RPC was sent.
+    """No call was sent (or it was given up): the master cannot be reached now.
 
-    ``health`` holds the client's code: 1 not initialised/closed, 2 master
-    unreachable.
+    ``health`` holds the client's code: 1 not initialised/closed, 2 master unreachable.
     """
 
     def __init__(self, health: int, master_address: str = "", detail: str = "") -> None:
@@ -69,7 +81,7 @@ class MooncakeStoreUnavailable(MooncakeStoreError):
             super().__init__(f"Mooncake store unavailable{where}: health_check()={health} ({reason})")
 
 
-# --------------------------------------------------------------------------- import
+# --------------------------------------------------------------------------- setup
 
 
 def _import_client_class() -> type:
@@ -93,22 +105,64 @@ def _import_client_class() -> type:
     return MooncakeDistributedStore
 
 
+def _setup_failure(rc: int, elapsed_s: float, master: str, metadata_server: str, protocol: str,
+                   segment: int, local_hostname: str) -> str:
+    """What a failed ``setup()`` most likely means (measured causes, docs/mooncake.md)."""
+    if rc == -600:
+        if 0 < segment < MIN_SEGMENT_SIZE:
+            return f"global_segment_size ({segment} bytes) must be at least {MIN_SEGMENT_SIZE} (16 MiB)"
+        return (f"the client refused its arguments or could not allocate its memory (segment {segment} "
+                f"bytes, local hostname {local_hostname!r}): out of memory?")
+    if master.startswith("etcd://"):
+        if elapsed_s >= 3:
+            return f"etcd at {master!r} is unreachable"
+        return f"no Mooncake master serves the cluster in etcd at {master!r} (or its cluster id differs)"
+    if elapsed_s >= 3:
+        return f"no Mooncake master answers at {master!r}: is mooncake_master running and listening there?"
+    return (f"the client could not start (protocol {protocol!r}, metadata server {metadata_server!r}): "
+            "check them and the client's log (MC_LOG_LEVEL=WARNING)")
+
+
+def _setup_client(master_address: str, *, metadata_server: str, local_hostname: str, segment: int,
+                  buffer: int, protocol: str, device_name: str) -> Any:
+    """A set-up raw client, or MooncakeStoreError saying what went wrong."""
+    client = _import_client_class()()
+    started = time.monotonic()
+    rc = client.setup(local_hostname, metadata_server, segment, buffer, protocol, device_name, master_address)
+    elapsed = time.monotonic() - started
+    if rc != 0:
+        _close_quietly(client)
+        cause = _setup_failure(rc, elapsed, master_address, metadata_server, protocol, segment, local_hostname)
+        raise MooncakeStoreError(f"Mooncake setup failed (rc={rc}) after {elapsed * 1000:.0f} ms: {cause}")
+    logger.debug("connected to Mooncake master %s in %.0f ms", master_address, elapsed * 1000)
+    return client
+
+
+def _warn_about_listeners(protocol: str) -> None:
+    global _BIND_WARNED
+    if protocol != LOOKUP_ONLY_PROTOCOL and not _BIND_WARNED:
+        _BIND_WARNED = True
+        logger.warning(
+            "this Mooncake client (protocol %r) listens on all interfaces (0.0.0.0 and [::], ports "
+            "15000-17000): Mooncake 0.3.13 has no setting for that address, MC_TCP_BIND_ADDRESS "
+            "included. Keep the host behind a firewall or run it in a network namespace "
+            "(docs/mooncake.md); lookup-only clients listen on nothing.", protocol)
+
+
 # --------------------------------------------------------------------------- store
 
 
 class MooncakeStore:
     """A Mooncake client that raises instead of crashing or stalling.
 
-    Build one with :meth:`connect` or :meth:`from_config`, or wrap a client
-    you have already set up. Every call to the master first checks the
-    client's cached ``health_check()`` (free) and raises
-    :class:`MooncakeStoreUnavailable` at once when it is not 0, so a dead
-    master costs microseconds instead of a ~4.3 s stall per call. The
-    client's 1 s ping flags a dead master after ~1 s, sometimes ~5.3 s;
-    calls in that window still stall and return -900. Calls after
-    :meth:`close` raise :class:`MooncakeStoreError`. ``close()`` waits for
-    calls in flight, so the client is never closed under a running call.
-    Thread-safe: the client releases the GIL, and calls may run in parallel.
+    Build one with :meth:`connect`, :meth:`from_config` or :meth:`lookup_client`, or wrap a
+    client you have already set up. Before each call to the master it checks the probe's view
+    (a dead master is refused in microseconds) and the client's cached ``health_check()``;
+    ``batch_is_exist`` and ``is_exist`` run on a lane and are given up after
+    ``call_timeout_s`` (the store then counts as down until a probe reaches the master), so a
+    lookup never waits longer. Data calls (puts, gets into registered memory) are never given
+    up half way: the client may still be writing. Calls after :meth:`close` raise
+    :class:`MooncakeStoreError`; ``close()`` waits for calls in flight. Thread-safe.
     """
 
     def __init__(
@@ -116,19 +170,30 @@ class MooncakeStore:
         client: Any,
         *,
         master_address: str = "",
-        probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S,
+        probe_interval_s: Optional[float] = DEFAULT_PROBE_INTERVAL_S,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        reconnect: Optional[Callable[[str, int], Any]] = None,
     ) -> None:
         """Wrap ``client``, a ``MooncakeDistributedStore`` whose ``setup()`` returned 0.
 
-        With a ``host:port`` master address and ``probe_interval_s``, a daemon thread
-        connects to the master's RPC port every interval; a refused or timed-out connection
-        makes calls raise :class:`MooncakeStoreUnavailable` at once, before the client's own
-        ping has noticed (1-5 s, during which each call stalls ~4.3 s).
+        ``master_address`` ("host:port" or "etcd://host:port[;...]") is what the probe watches
+        (no probe without one, or with ``probe_interval_s`` None). ``reconnect(host, port)``, if
+        given, sets up a client for a new HA leader (lookup-only clients follow the leader so).
         """
+        if call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         self._client = client
+        self._retired: List[Any] = []  # clients replaced after a failover, closed with the store
+        self._reconnect = reconnect
+        self._swap_lock = threading.Lock()
         self.master_address = master_address
+        self.call_timeout_s = call_timeout_s
         self._gate = CallGate()
-        self._probe = MasterProbe.start_for(master_address, probe_interval_s)
+        self._lane = CallLane(f"mooncake-calls-{master_address or id(self)}")
+        self._probe = (
+            MasterProbe.start_for(master_address, probe_interval_s, self._follow_leader if reconnect else None)
+            if master_address else None
+        )
 
     # ----------------------------------------------------------- construction
 
@@ -137,61 +202,78 @@ class MooncakeStore:
         cls,
         master_address: str,
         *,
+        lookup_only: bool = False,
         metadata_server: str = "P2PHANDSHAKE",
         local_hostname: str = "127.0.0.1",
         global_segment_size: int | str = 64 << 20,
         local_buffer_size: int | str = 16 << 20,
         protocol: str = "tcp",
         device_name: str = "",
-        setup_retries: int | None = None,
-        rpc_timeout_ms: int | None = None,
-        probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S,
+        setup_retries: Optional[int] = None,
+        rpc_timeout_ms: Optional[int] = None,
+        probe_interval_s: Optional[float] = DEFAULT_PROBE_INTERVAL_S,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> MooncakeStore:
-        """Set up a client against the master at ``master_address`` ("host:port").
+        """Set up a client against ``master_address``: ``"host:port"``, or an HA cluster's
+        ``"etcd://host:port[;host:port...]"``.
 
-        The defaults suit one machine on loopback: P2P handshake (no metadata
-        server), TCP, a 64 MiB segment contributed to the pool and a 16 MiB
-        staging buffer (sizes in bytes or strings such as ``"64mb"``;
-        ``global_segment_size=0`` gives a lookup-only client whose ``put``
-        fails). ``setup_retries`` (``MC_STORE_CLIENT_SETUP_RETRIES``, default
-        1, ~4.4 s to fail) and ``rpc_timeout_ms`` (``MC_RPC_TIMEOUT_MS``,
-        default 2000 ms) are process-wide environment variables read by the
-        client; see :func:`_set_client_env`.
+        The defaults suit one machine on loopback: P2P handshake (no metadata server), TCP, a
+        64 MiB segment contributed to the pool (at least 16 MiB, or 0) and a 16 MiB staging
+        buffer (sizes in bytes or strings such as ``"64mb"``). ``lookup_only=True`` gives a
+        client that only asks the master (Mooncake's ``rpc_only`` protocol: no memory, no
+        listening socket; with an HA cluster it follows the leader itself). ``setup_retries``
+        and ``rpc_timeout_ms`` are the client's process-wide environment variables (see
+        :func:`.config.set_client_env`).
         """
-        if not master_address:
-            raise ValueError("master_address must be a non-empty 'host:port'")
+        parse_master_address(master_address)  # ValueError naming it: an empty one crashes setup()
         segment, buffer = parse_size(global_segment_size), parse_size(local_buffer_size)
         if segment < 0 or buffer < 0:
-            raise ValueError(f"sizes must be >= 0, got segment {segment}, buffer {buffer}")
+            raise ValueError(f"sizes must be >= 0, got global_segment_size {segment}, local_buffer_size {buffer}")
+        if 0 < segment < MIN_SEGMENT_SIZE:
+            raise ValueError(f"global_segment_size must be 0 or at least {MIN_SEGMENT_SIZE} (16 MiB), got {segment}")
+        if lookup_only:
+            segment = buffer = 0  # a lookup-only client holds no memory (rpc_only crashes with some)
+            protocol = LOOKUP_ONLY_PROTOCOL
+        elif protocol == LOOKUP_ONLY_PROTOCOL:
+            raise ValueError("protocol 'rpc_only' is what lookup_only=True uses: pass that instead")
+        if protocol not in _PROTOCOLS:
+            raise ValueError(f"protocol must be one of {_PROTOCOLS} (lowercase), got {protocol!r}")
         set_client_env(local_hostname, setup_retries, rpc_timeout_ms)
-        client = _import_client_class()()
-        started = time.monotonic()
-        rc = client.setup(local_hostname, metadata_server, segment, buffer, protocol, device_name, master_address)
-        elapsed_ms = (time.monotonic() - started) * 1000
-        if rc != 0:
-            _close_quietly(client)
-            raise MooncakeStoreError(
-                f"Mooncake setup failed (rc={rc}) after {elapsed_ms:.0f} ms: master {master_address!r}, "
-                f"metadata server {metadata_server!r}, protocol {protocol!r}, local hostname "
-                f"{local_hostname!r}. Is mooncake_master running and listening on that address?"
-            )
-        logger.debug("connected to Mooncake master %s in %.0f ms", master_address, elapsed_ms)
-        return cls(client, master_address=master_address, probe_interval_s=probe_interval_s)
+        _warn_about_listeners(protocol)
+        setup = dict(metadata_server=metadata_server, local_hostname=local_hostname, segment=segment,
+                     buffer=buffer, protocol=protocol, device_name=device_name)
+        reconnect = None
+        target = master_address
+        if lookup_only and master_address.startswith("etcd://"):
+            # An rpc_only client given etcd:// takes ~30 s to follow a failover and to close:
+            # it asks the leader directly, and a new client follows a new leader.
+            try:
+                host, port = resolve_master(master_address)
+            except OSError as exc:
+                raise MooncakeStoreError(f"Mooncake setup failed: {exc}") from None
+            target = f"{host}:{port}"
+
+            def reconnect(h: str, p: int) -> Any:
+                return _setup_client(f"{h}:{p}", **setup)
+
+        client = _setup_client(target, **setup)
+        return cls(client, master_address=master_address, probe_interval_s=probe_interval_s,
+                   call_timeout_s=call_timeout_s, reconnect=reconnect)
 
     @classmethod
     def from_config(
         cls,
         config_or_path: MooncakeStoreConfig | str | os.PathLike[str] | None = None,
         *,
-        local_hostname: str | None = None,
-        setup_retries: int | None = None,
-        rpc_timeout_ms: int | None = None,
+        local_hostname: Optional[str] = None,
+        lookup_only: bool = False,
+        setup_retries: Optional[int] = None,
+        rpc_timeout_ms: Optional[int] = None,
     ) -> MooncakeStore:
         """Connect with a vLLM-style config, a path to its JSON, or ``None``.
 
-        ``None`` reads the file named by ``MOONCAKE_CONFIG_PATH``. The local
-        hostname is, in order: the argument, ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME``,
-        then ``127.0.0.1``.
+        ``None`` reads the file named by ``MOONCAKE_CONFIG_PATH``. The local hostname is, in
+        order: the argument, ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME``, then ``127.0.0.1``.
         """
         if config_or_path is None:
             config = MooncakeStoreConfig.from_env()
@@ -203,6 +285,7 @@ class MooncakeStore:
             local_hostname = os.environ.get(LOCAL_HOSTNAME_ENV, "").strip() or "127.0.0.1"
         return cls.connect(
             config.master_server_address,
+            lookup_only=lookup_only,
             metadata_server=config.metadata_server,
             local_hostname=local_hostname,
             global_segment_size=config.global_segment_size,
@@ -213,28 +296,78 @@ class MooncakeStore:
             rpc_timeout_ms=rpc_timeout_ms,
         )
 
+    @classmethod
+    def lookup_client(cls, config_or_path: MooncakeStoreConfig | str | os.PathLike[str] | None = None) -> MooncakeStore:
+        """A lookup-only client of the master a vLLM Mooncake config names (default: the file in
+        ``MOONCAKE_CONFIG_PATH``): it asks ``batch_is_exist`` and holds no memory."""
+        return cls.from_config(config_or_path, lookup_only=True)
+
     # ----------------------------------------------------------- guard
 
-    def _call(self, method: str, *args: Any, check_health: bool = True) -> Any:
-        try:
-            with self._gate.call("store"):
-                if check_health:
-                    self._check_health()
-                result = getattr(self._client, method)(*args)
-        except GateClosed:
-            raise MooncakeStoreError("store is closed") from None
-        if self._probe is not None and _rpc_failed(result):
-            # The master just dropped the connection: the next calls would stall ~4.3 s each
-            # until the client's ping notices. Refuse them until a probe reaches the master.
-            self._probe.suspect(f"{method} returned {RPC_FAIL} (RPC_FAIL)")
-        return result
-
-    def _check_health(self) -> None:
+    def _check_up(self) -> None:
         if self._probe is not None and self._probe.down:
             raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
         health = self._client.health_check()
         if health != HEALTHY:
             raise MooncakeStoreUnavailable(health, self.master_address)
+
+    def _suspect(self, reason: str) -> None:
+        if self._probe is not None:
+            self._probe.suspect(reason)
+
+    def _after(self, method: str, result: Any) -> Any:
+        if _rpc_failed(result):
+            # The master just dropped the connection: the next calls would stall ~4.3 s each.
+            # Refuse them until a probe reaches the master.
+            self._suspect(f"{method} returned {RPC_FAIL} (RPC_FAIL)")
+        return result
+
+    def _call(self, method: str, *args: Any, check_health: bool = True) -> Any:
+        """A data call, in the caller's thread: never given up half way."""
+        try:
+            with self._gate.call("store"):
+                if check_health:
+                    self._check_up()
+                result = getattr(self._client, method)(*args)
+        except GateClosed:
+            raise MooncakeStoreError("store is closed") from None
+        return self._after(method, result)
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """An existence call, on the lane: given up after ``call_timeout_s``.
+
+        An answer of RPC_FAIL everywhere is asked again (after 10, 20, 40 ... ms) within the
+        same time limit: the first calls after a master came back can meet the connections the
+        old one dropped. A master that stays dead makes a retry stall, and the limit ends it."""
+        try:
+            with self._gate.call("store"):
+                self._check_up()
+                fn = getattr(self._client, method)
+                deadline = time.monotonic() + self.call_timeout_s
+                try:
+                    result = self._lane.run(fn, *args, timeout=self.call_timeout_s)
+                    pause = 0.01
+                    while _rpc_failed(result) and deadline - time.monotonic() > pause:
+                        time.sleep(pause)
+                        pause *= 2
+                        result = self._lane.run(fn, *args, timeout=deadline - time.monotonic())
+                except LaneTimeout as exc:
+                    self._suspect(str(exc))
+                    raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, str(exc)) from None
+                except LaneBusy as exc:
+                    raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, str(exc)) from None
+        except GateClosed:
+            raise MooncakeStoreError("store is closed") from None
+        return self._after(method, result)
+
+    def _follow_leader(self, host: str, port: int) -> None:
+        """The probe saw a new HA leader: move a lookup-only client to it."""
+        assert self._reconnect is not None
+        fresh = self._reconnect(host, port)
+        with self._swap_lock:
+            self._retired.append(self._client)
+            self._client = fresh
+        logger.info("Mooncake lookup client moved to the new leader %s:%d", host, port)
 
     # ----------------------------------------------------------- state
 
@@ -251,21 +384,26 @@ class MooncakeStore:
         """0 healthy, 1 not initialised or closed, 2 master unreachable (cached, < 1 µs)."""
         try:
             with self._gate.call("store"):
+                if self._probe is not None and self._probe.down:
+                    return MASTER_UNREACHABLE
                 return self._client.health_check()
         except GateClosed:
             return NOT_INITIALISED
 
     def close(self) -> None:
-        """Close the client once in-flight calls end. Idempotent; takes ~1-2 s.
-
-        Closing unmounts this client's segment: objects stored there vanish.
-        """
+        """Close the client once calls in flight end (a call the lane gave up included).
+        Idempotent; a second close waits for the first. Takes ~1-2 s for a client holding a
+        segment (its objects vanish with it), up to ~30 s for one set up with ``etcd://``, and
+        ~0 for a lookup-only client."""
         self._gate.close(self._close_client)
 
     def _close_client(self) -> None:
         if self._probe is not None:
             self._probe.stop()
-        self._client.close()
+        self._lane.close()
+        for client in [*self._retired, self._client]:
+            _close_quietly(client)
+        self._retired.clear()
 
     def __enter__(self) -> MooncakeStore:
         return self
@@ -282,21 +420,21 @@ class MooncakeStore:
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """One code per key, in order: 1 exists, 0 missing.
 
-        Other codes (negative ``ErrorCode`` such as -900 RPC_FAIL) are passed
-        through; callers should count anything but 1 as missing. Keys are
-        checked first (``TypeError``), an empty batch returns ``[]`` without
-        an RPC, and an unhealthy client raises :class:`MooncakeStoreUnavailable`.
-        Each hit grants the object a read lease on the master.
+        Other codes (negative ``ErrorCode`` such as -900 RPC_FAIL) are passed through; callers
+        should count anything but 1 as missing. Keys are checked first (``TypeError``), an
+        empty batch returns ``[]`` without an RPC, and an unreachable master raises
+        :class:`MooncakeStoreUnavailable` within ``call_timeout_s``. Each hit grants the
+        object a read lease on the master.
         """
         checked = check_keys(keys)
         if not checked:
             return []
-        return self._call("batch_is_exist", checked)
+        return self._ask("batch_is_exist", checked)
 
     def is_exist(self, key: str) -> int:
         """1 exists, 0 missing, negative on error."""
         check_key(key)
-        return self._call("is_exist", key)
+        return self._ask("is_exist", key)
 
     def put(self, key: str, value: bytes | bytearray | memoryview) -> int:
         """Store ``value``; 0 on success, a negative ``ErrorCode`` otherwise.
@@ -318,6 +456,13 @@ class MooncakeStore:
         check_key(key)
         return self._call("remove", key, force)
 
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """:meth:`remove` for each key; one code per key."""
+        checked = check_keys(keys)
+        if not checked:
+            return []
+        return self._call("batch_remove", checked, force)
+
     def remove_all(self, force: bool = True) -> int:
         """Remove every object in the pool; returns the number removed."""
         return self._call("remove_all", force)
@@ -325,7 +470,7 @@ class MooncakeStore:
     def register_buffer(self, ptr: int, size: int) -> int:
         """Register ``size`` bytes at address ``ptr`` for zero-copy I/O; 0 on success.
 
-        Local to this client, so it does not need a healthy master.
+        Local to this client, so it does not need a reachable master.
         """
         return self._call("register_buffer", ptr, size, check_health=False)
 
@@ -359,5 +504,5 @@ def _rpc_failed(result: Any) -> bool:
 def _close_quietly(client: Any) -> None:
     try:
         client.close()
-    except Exception:  # noqa: BLE001 - cleanup after a failed setup must not mask its error
-        logger.debug("close() after failed setup raised", exc_info=True)
+    except Exception:  # noqa: BLE001 - cleanup must go on
+        logger.debug("close() of a Mooncake client raised", exc_info=True)

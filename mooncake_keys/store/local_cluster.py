@@ -1,0 +1,148 @@
+"""A Mooncake HA cluster on 127.0.0.1: etcd plus several ``mooncake_master`` s with an oplog.
+
+>>> with LocalCluster(masters=2) as cluster:              # doctest: +SKIP
+...     store = MooncakeStore.connect(cluster.master_address)   # "etcd://127.0.0.1:PORT"
+
+The masters elect a leader through etcd; the others stand by. When the leader dies a standby
+takes over (about 9 s here: the leader's etcd lease runs out, then a fixed 5 s warm-up) and,
+thanks to the oplog, every key put before is still there. Every process dies with the one that
+started the cluster (see :mod:`.process`) and is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+from typing import List, Optional
+
+from .local_master import HOST, LocalMaster, LocalMasterError, free_port, http_json
+from .process import ManagedProcess, owns_listening_port
+
+__all__ = ["LocalCluster", "find_etcd_executable"]
+
+_RUNNING: set = set()
+
+
+def find_etcd_executable() -> str:
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise LocalMasterError("etcd not found: install it (Debian: apt-get install etcd-server)")
+
+
+class LocalCluster:
+    """etcd and ``masters`` HA ``mooncake_master`` processes with an oplog, on loopback."""
+
+    def __init__(self, masters: int = 2, *, default_kv_lease_ttl: Optional[int] = 200, ready_timeout: float = 30.0,
+                 log_dir: Optional[str] = None) -> None:
+        if masters < 1:
+            raise ValueError(f"masters must be >= 1, got {masters}")
+        self.ready_timeout = ready_timeout
+        self._tmp = tempfile.mkdtemp(prefix="mooncake_cluster-")
+        self.log_dir = log_dir or self._tmp
+        self.etcd_port = free_port()
+        self._etcd = ManagedProcess("etcd", os.path.join(self.log_dir, "etcd.log"))
+        endpoints = f"{HOST}:{self.etcd_port}"
+        self.masters: List[LocalMaster] = [
+            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints,
+                        log_path=os.path.join(self.log_dir, f"master{i}.log"), ready_timeout=ready_timeout)
+            for i in range(masters)
+        ]
+
+    @property
+    def master_address(self) -> str:
+        """What clients pass as the master address: ``"etcd://127.0.0.1:PORT"``."""
+        return f"etcd://{HOST}:{self.etcd_port}"
+
+    @property
+    def etcd_pid(self) -> Optional[int]:
+        return self._etcd.pid
+
+    def start(self) -> "LocalCluster":
+        """Start etcd, then the masters; return once one of them serves."""
+        _RUNNING.add(self)
+        try:
+            self._start_etcd()
+            for master in self.masters:
+                master.start()
+            self.wait_leader(self.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_etcd(self) -> None:
+        peer, metrics = free_port(), free_port()
+        client_url, peer_url = f"http://{HOST}:{self.etcd_port}", f"http://{HOST}:{peer}"
+        self._etcd.start([
+            find_etcd_executable(), "--data-dir", os.path.join(self._tmp, "etcd-data"), "--name", "default",
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"default={peer_url}", "--listen-metrics-urls", f"http://{HOST}:{metrics}",
+        ])
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            rc = self._etcd.exit_code()
+            if rc is not None:
+                raise LocalMasterError(f"etcd exited with code {rc}:\n{self._etcd.log_tail()}")
+            health = http_json(f"{client_url}/health")
+            if health and health.get("health") == "true" and owns_listening_port(self._etcd.pid or -1, self.etcd_port):
+                return
+            if time.monotonic() > deadline:
+                raise LocalMasterError(f"etcd not ready after {self.ready_timeout} s:\n{self._etcd.log_tail()}")
+            time.sleep(0.05)
+
+    def leader(self) -> Optional[LocalMaster]:
+        """The master that serves now, if any."""
+        for master in self.masters:
+            if master.is_running() and master.serving():
+                return master
+        return None
+
+    def wait_leader(self, timeout: float = 30.0) -> LocalMaster:
+        """Wait until some master serves; return it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leader = self.leader()
+            if leader is not None:
+                return leader
+            if not any(m.is_running() for m in self.masters):
+                raise LocalMasterError("no mooncake_master of the cluster is running")
+            if time.monotonic() > deadline:
+                raise LocalMasterError(f"no serving mooncake_master after {timeout} s")
+            time.sleep(0.05)
+
+    def kill_leader(self) -> LocalMaster:
+        """SIGKILL the serving master (a failover follows); return it."""
+        leader = self.wait_leader(5.0)
+        leader.kill()
+        return leader
+
+    def pids(self) -> List[int]:
+        return [p for p in [self.etcd_pid, *(m.pid for m in self.masters)] if p is not None]
+
+    def stop(self) -> None:
+        """Stop the masters, then etcd, and remove the data directory."""
+        for master in self.masters:
+            master.stop(timeout=5.0)
+        self._etcd.stop(timeout=5.0)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        _RUNNING.discard(self)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<LocalCluster {self.master_address} masters={len(self.masters)}>"
+
+
+@atexit.register
+def _stop_all() -> None:
+    for cluster in list(_RUNNING):
+        cluster.stop()

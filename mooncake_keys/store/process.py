@@ -1,0 +1,167 @@
+"""Child processes (``mooncake_master``, ``etcd``) that die with the process that started them.
+
+Linux: each child asks the kernel for SIGKILL when its parent goes (``PR_SET_PDEATHSIG``), so
+it dies with us whatever ends us, SIGKILL included. The kernel sends that signal when the
+*thread* that forked the child exits, not the process; so every child is forked by one
+process-wide spawner thread that never exits. The child also checks, before it execs, that its
+parent is still the one that forked it (a parent killed before ``prctl`` ran). Elsewhere the
+children are stopped by ``atexit`` and context managers only.
+
+Readiness helpers check that a port is LISTENed on *by the child itself* (its socket inode is
+one of the child's file descriptors): a second server started on ports another one holds can
+answer health checks for a while before it dies, or be answered for by the other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, List, Optional, Sequence
+
+__all__ = ["ManagedProcess", "spawn", "owns_listening_port", "listening_ports"]
+
+_PR_SET_PDEATHSIG = 1
+_requests: "queue.Queue[Any]" = queue.Queue()
+_spawner: Optional[threading.Thread] = None
+_spawner_lock = threading.Lock()
+
+
+def _preexec(parent_pid: int) -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:  # runs in the forked child: prctl and getppid only
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl ran
+            os._exit(1)
+
+    return preexec
+
+
+def _spawn_loop() -> None:
+    while True:
+        args, kwargs, reply = _requests.get()
+        try:
+            reply.put(subprocess.Popen(args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            reply.put(exc)
+
+
+def spawn(args: Sequence[str], **popen_kwargs: Any) -> "subprocess.Popen[bytes]":
+    """``subprocess.Popen(args, **popen_kwargs)``, the child bound to die with this process."""
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(list(args), **popen_kwargs)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = threading.Thread(target=_spawn_loop, name="mooncake_keys-spawner", daemon=True)
+            _spawner.start()
+    reply: "queue.Queue[Any]" = queue.Queue()
+    _requests.put((list(args), dict(popen_kwargs, preexec_fn=_preexec(os.getpid())), reply))
+    result = reply.get()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def listening_ports(pid: int) -> List[int]:
+    """TCP ports the process ``pid`` LISTENs on (Linux ``/proc``; [] elsewhere)."""
+    inodes = _socket_inodes(pid)
+    return sorted({port for port, inode in _listeners() if inode in inodes})
+
+
+def owns_listening_port(pid: int, port: int) -> bool:
+    """Whether the process ``pid`` itself LISTENs on TCP ``port`` (Linux ``/proc``)."""
+    inodes = _socket_inodes(pid)
+    return any(p == port and inode in inodes for p, inode in _listeners())
+
+
+def _listeners() -> List[tuple]:
+    out = []
+    for proto in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{proto}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # LISTEN
+                out.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+    return out
+
+
+def _socket_inodes(pid: int) -> set:
+    out = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[8:-1])
+    return out
+
+
+class ManagedProcess:
+    """One child process started with :func:`spawn`, its log file, and how it is stopped."""
+
+    def __init__(self, name: str, log_path: str) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.proc: Optional["subprocess.Popen[bytes]"] = None
+
+    def start(self, args: Sequence[str], env: Optional[dict] = None) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = spawn(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None else None
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> Optional[int]:
+        return self.proc.poll() if self.proc is not None else None
+
+    def signal(self, sig: int) -> None:
+        if self.is_running():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a paused child is continued first), then SIGKILL after ``timeout`` seconds."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)  # a paused child cannot act on SIGTERM
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL now, and reap."""
+        if self.is_running():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
