@@ -61,11 +61,11 @@ class CallLane:
             return fut.result(timeout)
         except FutureTimeout:
             if fut.cancel():  # it never started
-                raise LaneTimeout(f"{self.name}: waited {timeout} s for an earlier call") from None
+                raise LaneTimeout(f"{self.name}: waited {timeout:.3g} s for an earlier call") from None
             with self._lock:
                 if not fut.done():
                     self._overrun = fut
-            raise LaneTimeout(f"{self.name}: the call took longer than {timeout} s") from None
+            raise LaneTimeout(f"{self.name}: the call took longer than {timeout:.3g} s") from None
 
     @property
     def overrunning(self) -> bool:

@@ -18,12 +18,13 @@ import ctypes
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["ManagedProcess", "spawn", "owns_listening_port", "listening_ports"]
+__all__ = ["ManagedProcess", "spawn", "owns_listening_port", "listening_ports", "listening_sockets"]
 
 _PR_SET_PDEATHSIG = 1
 _requests: "queue.Queue[Any]" = queue.Queue()
@@ -68,16 +69,30 @@ def spawn(args: Sequence[str], **popen_kwargs: Any) -> "subprocess.Popen[bytes]"
     return result
 
 
-def listening_ports(pid: int) -> List[int]:
-    """TCP ports the process ``pid`` LISTENs on (Linux ``/proc``; [] elsewhere)."""
+def listening_sockets(pid: int) -> List[tuple]:
+    """``(address, port)`` of every TCP socket the process ``pid`` LISTENs on (Linux ``/proc``;
+    [] elsewhere), e.g. ``("127.0.0.1", 50051)``, ``("0.0.0.0", 15123)``, ``("::", 15124)``."""
     inodes = _socket_inodes(pid)
-    return sorted({port for port, inode in _listeners() if inode in inodes})
+    return sorted({(addr, port) for addr, port, inode in _listeners() if inode in inodes})
+
+
+def listening_ports(pid: int) -> List[int]:
+    """TCP ports the process ``pid`` LISTENs on."""
+    return sorted({port for _, port in listening_sockets(pid)})
 
 
 def owns_listening_port(pid: int, port: int) -> bool:
     """Whether the process ``pid`` itself LISTENs on TCP ``port`` (Linux ``/proc``)."""
     inodes = _socket_inodes(pid)
-    return any(p == port and inode in inodes for p, inode in _listeners())
+    return any(p == port and inode in inodes for _, p, inode in _listeners())
+
+
+def _address(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:  # /proc/net/tcp: one little-endian word
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # /proc/net/tcp6: four little-endian words
+    return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
 
 
 def _listeners() -> List[tuple]:
@@ -91,7 +106,8 @@ def _listeners() -> List[tuple]:
         for line in lines:
             fields = line.split()
             if len(fields) > 9 and fields[3] == "0A":  # LISTEN
-                out.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+                addr, port = fields[1].rsplit(":", 1)
+                out.append((_address(addr), int(port, 16), fields[9]))
     return out
 
 
