@@ -98,7 +98,7 @@ run_pytest() {  # $1: the python; the rest: pytest arguments
   return "$rc"
 }
 
-leftovers() { pgrep -x 'mooncake_master|etcd' | sort || true; }
+leftovers() { { pgrep -x mooncake_master; pgrep -x etcd; } | sort || true; }
 
 nothing_left() {  # $1: the mooncake_master / etcd processes that were running before
   local left; left=$(comm -13 <(echo "$1") <(leftovers) | grep . || true)

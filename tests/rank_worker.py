@@ -57,7 +57,7 @@ def main() -> None:
             tokens = cmd["tokens"]
             kv[MAX_CHUNKS:].zero_()
             res = pool.load(tokens, hashes, list(range(MAX_CHUNKS, 2 * MAX_CHUNKS)))
-            same = all(bytes(kv[MAX_CHUNKS + j].numpy()) == content(rank, cmd["prompt"], j) for j in range(tokens // 16))
+            same = all(bytes(kv[MAX_CHUNKS + j].tolist()) == content(rank, cmd["prompt"], j) for j in range(tokens // 16))
             reply = {"ok": res.ok, "loaded_tokens": res.loaded_tokens, "bytes_ok": same,
                      "failed": [list(f) for f in res.failed]}
         elif op == "stop":

@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,16 +33,19 @@ ROUNDS = int(os.environ.get("MK_MP_ROUNDS", "120"))
 class Rank:
     def __init__(self, master: str, rank: tuple) -> None:
         self.rank = rank
+        self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO_ROOT / "tests" / "rank_worker.py"), master, ",".join(map(str, rank))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MC_LOG_LEVEL="ERROR"),
         )
         self.ready = self.read()
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
-        assert line, f"rank {self.rank} died (rc {self.proc.poll()})"
+        if not line:
+            self.stderr.seek(0)
+            raise AssertionError(f"rank {self.rank} died (rc {self.proc.poll()}):\n{self.stderr.read()[-3000:]}")
         return json.loads(line)
 
     def send(self, **cmd) -> None:

@@ -8,7 +8,8 @@ Vocabulary (sizes in tokens unless said otherwise):
   request shape (number of hashes, hash length) and the fraction of the prefix that is stored;
 * a *request* is one seeded blob of hashes, as vLLM's lookup server receives it (#45969);
 * an *impl* is one of ``IMPLS``: ``"c"`` / ``"py"`` = ``mooncake_keys.LookupEngine`` on the
-  compiled / pure-Python core, ``"seed"`` / ``"pre"`` = the vLLM re-expressions in ``baselines``;
+  compiled / pure-Python core, ``"seed"`` / ``"pre"`` = the vLLM re-expressions in ``baselines``,
+  ``"vllm"`` = the installed vLLM 0.33's own lookup (``vllm_baseline``; absent without vLLM);
 * *cold* = every lookup is a request the engine has never seen: a fresh seeded request, made
   before the timed call (asv re-runs ``setup`` before every sample, and that is where it is
   made), with the engine's per-shape caches (plan, lookup mask) cleared as for a request of a
@@ -48,7 +49,7 @@ __all__ = [
     "membership_answer", "memo", "Bench", "lookup_bench", "prime", "burn_in", "BenchState",
 ]
 
-IMPLS = ["c", "py", "seed", "pre"]
+IMPLS = ["c", "py", "seed", "pre", "vllm"]
 MODEL = "DeepSeek-V4"
 #: The engine's default key-cache budget: the benchmarks run the engine as users get it.
 DEFAULT_KEY_CACHE_BYTES = mk.KeyCache().max_bytes
@@ -119,6 +120,13 @@ STANDARD: Dict[str, Scenario] = {
     # (c) MLA on TP 8: 1 namespace; Full(64); 8,192 hashes.
     "c": Scenario("c", tuple(GROUPS["full"][0]()), mk.ParallelLayout(tp_size=8, num_kv_heads=8, use_mla=True),
                   64, 8192),
+    # (d) a short prompt: Full(16) on TP 2, 2 namespaces; 256 hashes of 16 tokens (512 keys).
+    "d": Scenario("d", (mk.KVCacheGroup(mk.FullAttentionSpec(16)),), mk.ParallelLayout(tp_size=2, num_kv_heads=2),
+                  16, 256),
+    # (e) hashes of 16 tokens under a Full(64) group (compact: 4 hashes a chunk) and a SWA(16, 128)
+    # group, TP 4 (4 namespaces); 2,048 hashes (10,240 keys).
+    "e": Scenario("e", (mk.KVCacheGroup(mk.FullAttentionSpec(64)), mk.KVCacheGroup(mk.SlidingWindowSpec(16, 128))),
+                  mk.ParallelLayout(tp_size=4, num_kv_heads=4), 16, 2048),
 }
 
 
@@ -204,6 +212,9 @@ def membership_answer(scenario: Scenario, request: Request, *, isolate: bool = F
 class StubStore:
     """``batch_is_exist`` returns ``answer`` (the same list object every time) after a length check."""
 
+    #: ``batch_is_exist`` neither changes nor keeps the key list it is given.
+    mutates_keys = False
+
     def __init__(self, answer: List[int]) -> None:
         self.answer = answer
         self.calls = 0
@@ -229,11 +240,17 @@ class Impl:
         self.name = impl
         self.scenario = scenario
         self.store = store
+        self.vllm = None
         if impl in ("c", "py"):
             self.engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
                                           hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
                                           store=store, key_cache_bytes=key_cache_bytes, core=impl)
             self.baseline = None
+        elif impl == "vllm":
+            from .vllm_baseline import VllmLookup
+
+            self.engine = self.baseline = None
+            self.vllm = VllmLookup(scenario, store)
         else:
             self.engine = None
             self.baseline = baselines.make_lookup(scenario.model_name, scenario.groups, scenario.layout,
@@ -243,6 +260,8 @@ class Impl:
     def lookup(self, req: Request) -> int:
         if self.engine is not None:
             return self.engine.lookup(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len))
+        if self.vllm is not None:
+            return self.vllm.lookup(req.token_len, req.blob, req.hash_len)
         return self.baseline(req.token_len, baselines.BlobBlockHashes(req.blob, req.hash_len))
 
     def candidate_keys(self, req: Request, skip_tokens: int = 0) -> List[str]:
@@ -251,6 +270,8 @@ class Impl:
                                               skip_tokens=skip_tokens)
         if skip_tokens:
             raise NotImplementedError("vLLM's lookup has no skip_tokens")
+        if self.vllm is not None:
+            return self.vllm.candidate_keys(req.token_len, req.blob, req.hash_len)
         return self.baseline.candidate_keys(req.token_len, baselines.BlobBlockHashes(req.blob, req.hash_len))
 
     def forget_shapes(self) -> None:
@@ -262,7 +283,6 @@ class Impl:
         if eng is None:
             return
         dep = eng.deployment
-        dep._chunk_tables[:] = [None] * len(dep._chunk_tables)
         for owner, name in ((dep, "plan"), (dep.coordinator, "_lookup_mask")):
             fn = getattr(owner, name, None)
             clear = getattr(fn, "cache_clear", None)

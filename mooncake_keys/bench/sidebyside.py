@@ -5,10 +5,10 @@
 
 For every standard scenario (``common.STANDARD``) and mode (cold: requests the engine has never
 seen, made before the timer, plan caches cleared; warm: the same request again, in steady
-state) each implementation is timed in turn,
-interleaved round after round, so that a noisy machine slows all of them alike. A sample is a
-batch of lookups timed with ``time.perf_counter_ns`` (GC off, as ``timeit`` does); the figure kept
-is the minimum over ``repeat`` rounds. The store is ``common.StubStore``: only client-side work
+state) each implementation is timed in turn, interleaved round after round, so that a noisy
+machine slows all of them alike. A sample is a batch of lookups timed with
+``time.perf_counter_ns`` (GC off, as ``timeit`` does); the figure kept is the median over
+``repeat`` rounds. The store is ``common.StubStore``: only client-side work
 (key building, reduction, coordinator) is timed.
 """
 
@@ -22,16 +22,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import scenarios as common
 from ..lookup import _core
 
-__all__ = ["run_standard", "format_table"]
+__all__ = ["available", "format_table", "run_standard"]
 
 Progress = Optional[Callable[[str], Any]]
 
 
-def _available(impls: Sequence[str]) -> List[str]:
+def available(impls: Sequence[str]) -> List[str]:
+    from .vllm_baseline import unavailable
+
     out = []
     for impl in impls:
         if impl == "c" and _core._core_c is None:
             continue  # no compiled core: no "c" rows
+        if impl == "vllm" and unavailable() is not None:
+            continue  # no vLLM 0.33 here: no "vllm" rows (the command says why)
         out.append(impl)
     return out
 
@@ -79,8 +83,9 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     """Time each impl on the standard scenarios, cold and warm; one row per (scenario, mode, impl).
 
     Row fields: ``scenario``, ``mode``, ``impl``, ``keys`` (keys sent per lookup), ``ns_per_lookup``,
-    ``ns_per_key``, ``lookups_per_s``, ``ratio_vs_seed`` and ``ratio_vs_pre`` (this impl's time over
-    the baseline's: below 1 is faster; None when that baseline was not run), ``hit`` (tokens),
+    ``ns_per_key``, ``lookups_per_s``, ``ratio_vs_seed``, ``ratio_vs_pre`` and ``ratio_vs_vllm``
+    (this impl's time over the baseline's: below 1 is faster; None when that baseline was not
+    run), ``hit`` (tokens),
     ``faults_per_lookup`` (minor page faults per lookup in the kept sample: a young process's
     allocator maps fresh memory for a while, which makes cold lookups slower; see
     ``common.burn_in``).
@@ -89,7 +94,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     after each round. Raises RuntimeError if the implementations disagree on a hit, or if a cold
     lookup was served by the engine's key cache.
     """
-    impls = _available(impls)
+    impls = available(impls)
     rows: List[Dict[str, Any]] = []
     for sname in scenarios:
         sc = common.STANDARD[sname]
@@ -111,8 +116,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
         n_cold = max((batch[("cold", i)] for i in impls), default=0) if "cold" in modes else 0
         if progress:
             progress(f"scenario {sname}: {keys} keys per lookup")
-        best: Dict[tuple, float] = {k: math.inf for k in batch}
-        faults: Dict[tuple, float] = {k: 0.0 for k in batch}
+        samples: Dict[tuple, List[Tuple[float, float]]] = {k: [] for k in batch}
         issued = 0
         for rnd in range(repeat):
             # Cold: never-seen requests, made before the timer; the same ones for every impl
@@ -129,23 +133,20 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
                             raise RuntimeError(f"scenario {sname}: a cold {impl} lookup hit the key cache")
                     else:
                         ns, flt = _sample_ns(runner, [first] * n, cold=False)
-                    if ns / n < best[(mode, impl)]:
-                        best[(mode, impl)] = ns / n
-                        faults[(mode, impl)] = flt / n
+                    samples[(mode, impl)].append((ns / n, flt / n))
             if progress:
                 progress(f"scenario {sname}: round {rnd + 1}/{repeat}")
+        median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
         for mode in modes:
             for impl in impls:
-                ns = best[(mode, impl)]
-                seed_ns = best.get((mode, "seed"))
-                pre_ns = best.get((mode, "pre"))
+                ns, flt = median[(mode, impl)]
+                base = {b: median[(mode, b)][0] if (mode, b) in median else None for b in ("seed", "pre", "vllm")}
                 rows.append(dict(
                     scenario=sname, mode=mode, impl=impl, keys=keys,
                     ns_per_lookup=ns, ns_per_key=ns / keys if keys else math.nan,
                     lookups_per_s=1e9 / ns if ns else math.inf,
-                    ratio_vs_seed=ns / seed_ns if seed_ns else None,
-                    ratio_vs_pre=ns / pre_ns if pre_ns else None,
-                    hit=hits[impl], faults_per_lookup=faults[(mode, impl)],
+                    **{f"ratio_vs_{b}": ns / t if t else None for b, t in base.items()},
+                    hit=hits[impl], faults_per_lookup=flt,
                 ))
     return rows
 
@@ -153,7 +154,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
     head = f"{'scenario':8} {'mode':5} {'impl':5} {'keys':>7} {'us/lookup':>10} {'ns/key':>8} " \
-           f"{'lookups/s':>10} {'vs seed':>8} {'vs pre':>8} {'faults':>7}"
+           f"{'lookups/s':>10} {'vs vllm':>8} {'vs seed':>8} {'vs pre':>8} {'faults':>7}"
     lines = [head, "-" * len(head)]
 
     def ratio(x: Optional[float]) -> str:
@@ -161,7 +162,8 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
 
     for r in rows:
         lines.append(f"{r['scenario']:8} {r['mode']:5} {r['impl']:5} {r['keys']:7d} {r['ns_per_lookup'] / 1e3:10.1f} "
-                     f"{r['ns_per_key']:8.1f} {r['lookups_per_s']:10.1f} {ratio(r['ratio_vs_seed'])} "
+                     f"{r['ns_per_key']:8.1f} {r['lookups_per_s']:10.1f} {ratio(r.get('ratio_vs_vllm'))} "
+                     f"{ratio(r['ratio_vs_seed'])} "
                      f"{ratio(r['ratio_vs_pre'])} {r.get('faults_per_lookup', 0):7.1f}")
     return "\n".join(lines)
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["REUSES_STRINGS", "fill_keys", "reduce_presence"]
 
-#: Whether ``fill_keys`` can rewrite spare strings in place (never in pure Python).
+#: Whether ``fill_keys`` rewrites in place the strings it finds in ``out`` (never in pure Python).
 REUSES_STRINGS = False
 
 _ONE_EQ = (1).__eq__  # True for an int (or int subclass) equal to 1; never runs user code
 
 
-def _check_fill_args(out: Any, pos: Any, heads: Any, blob: Any, hash_len: Any, index: Any,
-                     spare: Any) -> "tuple[memoryview, memoryview]":
+def _check_fill_args(out: Any, pos: Any, heads: Any, blob: Any, hash_len: Any,
+                     index: Any) -> "tuple[memoryview, memoryview]":
     """The argument checks of ``fill_keys`` (the compiled core makes the same, in the same order)."""
     if type(out) is not list:
         raise TypeError(f"out must be a list, got {type(out).__name__}")
@@ -35,8 +35,6 @@ def _check_fill_args(out: Any, pos: Any, heads: Any, blob: Any, hash_len: Any, i
             raise TypeError(f"heads must be a tuple of str, got an item of type {type(h).__name__}")
     if type(hash_len) is not int:
         raise TypeError(f"hash_len must be an int, got {type(hash_len).__name__}")
-    if spare is not None and type(spare) is not list:
-        raise TypeError(f"spare must be a list or None, got {type(spare).__name__}")
     try:
         bv = memoryview(blob)
     except TypeError:
@@ -53,12 +51,15 @@ def _check_fill_args(out: Any, pos: Any, heads: Any, blob: Any, hash_len: Any, i
         raise ValueError(f"hash_len must be > 0, got {hash_len}")
     if pos < 0 or pos + len(iv) * len(heads) > len(out):
         raise ValueError("out is too short for the keys to write")
-    if len(iv):
-        nbytes = bv.nbytes
-        for hi in (min(iv), max(iv)):
-            if hi < 0 or (hi + 1) * hash_len > nbytes:
-                raise IndexError(f"hash index {hi} is outside the blob")
     return bv, iv
+
+
+def _index_out_of_range(lo: int, hi: int, hash_len: int, nbytes: int) -> "IndexError | None":
+    """The error for hash indices ``lo`` (smallest) .. ``hi`` (largest) in a blob of ``nbytes``."""
+    for i in (lo, hi):
+        if i < 0 or (i + 1) * hash_len > nbytes:
+            return IndexError(f"hash index {i} is outside the blob")
+    return None
 
 
 def fill_keys(
@@ -68,20 +69,22 @@ def fill_keys(
     blob: Any,
     hash_len: int,
     index: Any,
-    spare: Optional[list] = None,
 ) -> int:
     """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return the position after them.
 
     ``blob`` holds equal-length hashes back to back (``hash_len`` bytes each); ``index`` (a
     buffer of int64, e.g. ``array('q')``) names the hashes (by position in the blob) to build
     keys for, in order. Keys are ordered hash first, then head: ``heads[j] + hex(hash)``.
-    ``spare`` holds key strings of an earlier lookup that the caller no longer needs: the
-    compiled core rewrites those that nothing else can see instead of allocating new ones;
-    pure Python cannot, and leaves it untouched.
+    Whatever ``out[pos:]`` held is replaced; the compiled core writes into a str found there
+    that nothing else can see instead of allocating a new one (the result is the same).
     """
-    bv, iv = _check_fill_args(out, pos, heads, blob, hash_len, index, spare)
+    bv, iv = _check_fill_args(out, pos, heads, blob, hash_len, index)
     r = len(heads)
     n = len(iv)
+    if n:
+        err = _index_out_of_range(min(iv), max(iv), hash_len, bv.nbytes)
+        if err is not None:
+            raise err
     if not n or not r:
         return pos
     hexed = bv.hex()

@@ -258,9 +258,9 @@ class Deployment:
         return self.layout.writer_namespace(*rank, mla=mla), self.layout.replication_factor(mla)
 
     def fill_keys(self, out: List[Any], pos: int, heads: Tuple[str, ...], hashes: BlockHashes,
-                  index: array, spare: Optional[list] = None) -> int:
+                  index: array) -> int:
         """Write the keys of the hashes at ``index`` (each under every head) into ``out[pos:]``."""
-        return self.core.fill_keys(out, pos, heads, hashes.blob, hashes.hash_len, index, spare)
+        return self.core.fill_keys(out, pos, heads, hashes.blob, hashes.hash_len, index)
 
     def reduce(self, results: list, r: int) -> bytearray:
         """Per chunk, 1 when all its ``r`` answers (one per namespace) are present."""

@@ -74,7 +74,9 @@ class LookupEngine:
 
     Sizes are in tokens: ``hash_block_size`` tokens per request hash, group block sizes per
     chunk, ``scheduler_block_size`` (default: lcm of the group block sizes) per aligned hit.
-    ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``. ``vllm_compat``
+    ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``; one that declares
+    ``mutates_keys = False`` (it neither changes nor keeps the list) is handed a repeated
+    request's memoised key list itself, not a copy. ``vllm_compat``
     names the vLLM release whose answers are reproduced: ``"0.33"`` (default) or ``"0.25"``
     (see :mod:`mooncake_keys.lookup.contract`); ``store_namespace`` (the string vLLM 0.33 puts
     after the model name for a store layout) and ``partial_hash_hits`` (keys per hash unit,
@@ -113,10 +115,15 @@ class LookupEngine:
             allow_ambiguous_names=allow_ambiguous_names, core=core,
         )
         self.store = store
+        # A store that never changes the key list may be handed the memoised one itself.
+        self._share_memo = getattr(store, "mutates_keys", True) is False
         self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=self.deployment.core.REUSES_STRINGS)
         heads = self.deployment.lookup_heads
         # The longest key head of each group (characters): key sizes are estimated from it.
         self._head_chars = tuple(max(map(len, hs)) for hs in heads)
+        # The namespaces per chunk when every group has the same number (one reduction), else 0.
+        counts = {len(hs) for hs in heads}
+        self._uniform_r = counts.pop() if len(counts) == 1 else 0
         self._stats_lock = threading.Lock()
         self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
 
@@ -184,29 +191,37 @@ class LookupEngine:
             return None
         return token_len, hashes, dep.plan(token_len, len(hashes), skip_tokens)
 
-    def _keys(self, token_len: int, skip_tokens: int, hashes: BlockHashes, plan: LookupPlan) -> List[str]:
-        """The keys of a lookup, group -> chunk -> namespace (memoised for a repeated request)."""
+    def _keys(self, token_len: int, skip_tokens: int, hashes: BlockHashes, plan: LookupPlan,
+              for_store: bool = False) -> List[str]:
+        """The keys of a lookup, group -> chunk -> namespace (memoised for a repeated request;
+        ``for_store``: only the store will read the list)."""
         cache = self.key_cache
         hl = hashes.hash_len
         blob = hashes.blob
         fingerprint = (token_len, skip_tokens, hl, len(hashes), blob[-hl:].tobytes())  # token_len aligned
-        keys = cache.get(fingerprint, blob)
+        keys = cache.get(fingerprint, blob, copy=not (for_store and self._share_memo))
         if keys is not None:
             return keys
         dep = self.deployment
-        keys = [None] * sum(len(p.asked) * len(dep.lookup_heads[g]) for g, p in enumerate(plan.groups))
-        spare = cache.take_spare()
+        n = sum(len(p.asked) * len(dep.lookup_heads[g]) for g, p in enumerate(plan.groups))
+        keys = cache.take_spare() if for_store else None  # the last key list, to write over
+        if keys is None:
+            keys = [None] * n
+        elif len(keys) > n:
+            del keys[n:]
+        else:
+            keys += [None] * (n - len(keys))
         pos = size = 0
         for g, p in enumerate(plan.groups):
             if len(p.asked):
                 heads = dep.lookup_heads[g]
-                pos = dep.fill_keys(keys, pos, heads, hashes, p.index, spare)
+                pos = dep.fill_keys(keys, pos, heads, hashes, p.index)
                 size += key_bytes(len(p.asked) * len(heads), self._head_chars[g] + 2 * hl)
         if keys:
-            cache.keep(fingerprint, blob, keys, size)
+            cache.keep(fingerprint, blob, keys, size, spare=for_store)
         return keys
 
-    def _ask(self, keys: List[str], plan: LookupPlan) -> Optional[bytes]:
+    def _ask(self, keys: List[str], plan: LookupPlan) -> Optional[Any]:
         """One ``batch_is_exist``; per asked chunk 1 when all its namespaces answered 1.
 
         The store-fault policy: an exception, an answer that is not a list or tuple, or one of
@@ -235,11 +250,10 @@ class LookupEngine:
                            type(exc).__name__, exc)
             return None
 
-    def _reduce(self, results: list, plan: LookupPlan) -> bytes:
+    def _reduce(self, results: list, plan: LookupPlan) -> Any:
         dep = self.deployment
-        rs = {len(dep.lookup_heads[g]) for g, p in enumerate(plan.groups) if len(p.asked)}
-        if len(rs) == 1:
-            return bytes(dep.reduce(results, rs.pop()))
+        if self._uniform_r:
+            return dep.reduce(results, self._uniform_r)
         flags = bytearray()
         off = 0
         for g, p in enumerate(plan.groups):
@@ -269,32 +283,47 @@ class LookupEngine:
         Chunks wholly below ``skip_tokens`` (tokens the engine holds locally) are not asked and
         count as present. A store fault answers 0, logged.
         """
-        return self.lookup_result(token_len, block_hashes, skip_tokens=skip_tokens).hit_length
+        answer = self._lookup(token_len, block_hashes, skip_tokens)
+        return answer[0] if answer is not None else 0
 
     def lookup_result(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> LookupResult:
         """:meth:`lookup` with vLLM 0.33's whole answer: the hit length and, per store group,
         its tail key boundary (see :class:`LookupResult`)."""
+        answer = self._lookup(token_len, block_hashes, skip_tokens)
+        if answer is None:
+            return _NO_HIT
+        hit, num_hashes, presence = answer
+        dep = self.deployment
+        if not dep.contract.tail_key_boundaries:
+            return LookupResult(hit, ())
+        boundaries = dep.tail_boundaries(hit, presence, num_hashes)
+        return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
+
+    def _lookup(self, token_len: Any, block_hashes: Any, skip_tokens: Any
+                ) -> Optional[Tuple[int, int, List[bytearray]]]:
+        """(hit, number of hashes, per-group presence), or None for no hit at all."""
         prepared = self._prepare(token_len, block_hashes, skip_tokens)
         if prepared is None:
             self._count(0, 0, 0)
-            return _NO_HIT
+            return None
         aligned, hashes, plan = prepared
-        keys = self._keys(aligned, skip_tokens, hashes, plan)
+        keys = self._keys(aligned, skip_tokens, hashes, plan, for_store=True)
         if keys:
             flags = self._ask(keys, plan)
             if flags is None:
                 self._count(len(keys), 1, 0)
-                return _NO_HIT
+                return None
         elif not plan.presumes_any:
             self._count(0, 0, 0)
-            return _NO_HIT  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
+            return None  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
         else:
             flags = b""
-        result = self._result(token_len, len(hashes), plan, plan.presence(flags))
-        self._count(len(keys), 0, result.hit_length)
-        return result
+        presence = plan.presence(flags)
+        hit = self._hit(token_len, len(hashes), plan, presence)
+        self._count(len(keys), 0, hit)
+        return hit, len(hashes), presence
 
-    def _result(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> LookupResult:
+    def _hit(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> int:
         dep = self.deployment
         hit = dep.hit_length(presence, plan.span, num_hashes)
         if dep.contract.rederives_full_hit and hit >= num_tokens:
@@ -302,10 +331,7 @@ class LookupEngine:
             # one alignment step shorter, from the same answers (vllm#55113).
             usable = dep.coordinator.align(num_tokens - 1)
             hit = dep.hit_length(presence, usable, num_hashes) if usable > 0 else 0
-        if not dep.contract.tail_key_boundaries:
-            return LookupResult(hit, ())
-        boundaries = dep.tail_boundaries(hit, presence, num_hashes)
-        return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
+        return hit
 
     def _count(self, keys: int, failed: int, hit: int) -> None:
         with self._stats_lock:

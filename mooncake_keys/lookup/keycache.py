@@ -9,10 +9,11 @@ Two uses, each with its own budget (bytes, estimated with ``sys.getsizeof``), bo
   request's hashes; LRU. Admission on second sight: a request looked up once (most are) costs
   one fingerprint, not its strings. A request whose keys alone exceed the budget is never
   admitted, so a repeat is never slower than a first sight.
-* **spare strings** (``spare_bytes``): the key strings of the last lookup that was not memoised.
-  When the caller and the store have dropped them, the compiled core rewrites them in place for
-  the next lookup instead of allocating new ones (see ``_core_c.pyx`` for why and when that is
-  safe). Only kept when the core in use can reuse strings.
+* **spare strings** (``spare_bytes``): the key list of the last lookup that was not memoised.
+  When the store has dropped it, the next lookup writes its keys into that list, and the
+  compiled core rewrites in place the strings nothing else references instead of allocating
+  new ones (see ``_core_c.pyx`` for why and when that is safe). Only kept when the core in use
+  can reuse strings.
 
 ``max_bytes=0`` / ``spare_bytes=0`` turn each off. Thread-safe.
 """
@@ -35,8 +36,9 @@ _MAX_SEEN = 4096
 #: Default budget of memoised requests (bytes): about 400k keys of 110 characters.
 DEFAULT_KEY_CACHE_BYTES = 64 << 20
 
-#: Default budget of spare strings (bytes): about 100k keys of 110 characters.
-DEFAULT_SPARE_BYTES = 16 << 20
+#: Default budget of spare strings (bytes): about 1.5M keys of 110 characters (the last lookup's
+#: own strings, kept for the next one to write over; measured: docs/benchmarks.md, scaling).
+DEFAULT_SPARE_BYTES = 256 << 20
 
 _LIST_SLOT = 8  # bytes per list item
 
@@ -60,6 +62,17 @@ def key_bytes(num_keys: int, key_chars: int) -> int:
     return num_keys * (sys.getsizeof("k" * key_chars) + _LIST_SLOT)
 
 
+def _same_bytes(kept: bytes, blob: Any) -> bool:
+    """``kept == bytes(blob)`` at memcmp speed: comparing bytes with a memoryview unpacks it
+    item by item (0.6 ms for 256 KiB here)."""
+    if isinstance(blob, bytes):
+        return kept == blob
+    obj = getattr(blob, "obj", None)
+    if isinstance(obj, bytes) and len(obj) == blob.nbytes:  # a view of a whole bytes object
+        return kept == obj
+    return kept == blob.tobytes()
+
+
 class KeyCache:
     """Memoised key lists of repeated requests, and the spare strings of the last lookup."""
 
@@ -77,18 +90,19 @@ class KeyCache:
         self._spare_bytes = 0
 
     # ------------------------------------------------------------------ requests
-    def get(self, fingerprint: Hashable, blob: Any) -> Optional[List[str]]:
-        """A copy of the keys memoised for ``fingerprint`` if their hashes equal ``blob``."""
+    def get(self, fingerprint: Hashable, blob: Any, *, copy: bool = True) -> Optional[List[str]]:
+        """The keys memoised for ``fingerprint`` if their hashes equal ``blob``: a copy, or the
+        memoised list itself (``copy=False``: for a reader that never changes it)."""
         if not self.max_bytes:
             return None
         with self._lock:
             entry = self._requests.get(fingerprint)
-            if entry is None or entry[0] != blob:
+            if entry is None or not _same_bytes(entry[0], blob):
                 self._request_misses += 1
                 return None
             self._requests.move_to_end(fingerprint)
             self._request_hits += 1
-            return list(entry[1])  # a copy: the caller or the store may change the list
+            return list(entry[1]) if copy else entry[1]
 
     def _second_sight(self, fingerprint: Hashable) -> bool:
         seen = self._seen
@@ -100,9 +114,10 @@ class KeyCache:
             seen.popitem(last=False)
         return False
 
-    def keep(self, fingerprint: Hashable, blob: Any, keys: List[str], size: int) -> None:
+    def keep(self, fingerprint: Hashable, blob: Any, keys: List[str], size: int, *, spare: bool = True) -> None:
         """Keep the keys of a lookup just built (``size``: their estimated bytes): memoised when
-        the request is seen for the second time and fits, else as spare strings if they fit."""
+        the request is seen for the second time and fits, else (``spare``: the list only goes
+        to the store) the list itself as spare strings if they fit."""
         if self.max_bytes:
             entry_size = size + len(blob) + 200
             with self._lock:
@@ -119,20 +134,22 @@ class KeyCache:
                         _, (_, _, dropped) = self._requests.popitem(last=False)
                         self._request_bytes -= dropped
                 return
-        if size <= self.max_spare_bytes:
-            # A private copy of the list: a caller or a store may keep the one it was given,
-            # and then its strings are never rewritten (their reference count is not 1).
-            spare = list(keys)
+        if spare and size <= self.max_spare_bytes:
             with self._lock:
-                self._spare, self._spare_bytes = spare, size
+                self._spare, self._spare_bytes = keys, size
 
     # ------------------------------------------------------------------ spare strings
     def take_spare(self) -> Optional[List[str]]:
-        """The spare strings (they are no longer the cache's), or None."""
+        """The last lookup's key list, now the taker's alone; None when there is none, or when
+        something else still holds it (a store that kept it: it must never change under them)."""
         if not self.max_spare_bytes:
             return None
         with self._lock:
             spare, self._spare, self._spare_bytes = self._spare, None, 0
+        # Two references: ``spare`` and getrefcount's argument. A measured trick (docs/benchmarks.md:
+        # 2.2x faster key building); the strings inside get CPython's own checks in the core.
+        if spare is None or sys.getrefcount(spare) > 2:
+            return None
         return spare
 
     # ------------------------------------------------------------------ both

@@ -18,6 +18,9 @@ INVALID_PARAMS = -600
 class MemoryStore:
     """Keys to bytes in a dict behind a lock. ``batch_is_exist`` answers 1 / 0 per key."""
 
+    #: ``batch_is_exist`` neither changes nor keeps the key list it is given.
+    mutates_keys = False
+
     def __init__(self) -> None:
         self._data: Dict[str, bytes] = {}
         self._lock = threading.Lock()

@@ -165,6 +165,9 @@ class MooncakeStore:
     :class:`MooncakeStoreError`; ``close()`` waits for calls in flight. Thread-safe.
     """
 
+    #: ``batch_is_exist`` neither changes nor keeps the key list it is given.
+    mutates_keys = False
+
     def __init__(
         self,
         client: Any,

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-sys.path.append(os.path.dirname(__file__))  # vllm_factory, cases
+sys.path.append(os.path.dirname(__file__))  # cases
 
 REQUIRED = os.environ.get("MK_REQUIRE_VLLM", "")
 

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-F = pytest.importorskip("vllm_factory")
+from mooncake_keys.vllm import harness as F  # noqa: E402
 from cases import AnswerStore, random_cfg, random_request, random_store  # noqa: E402
 
 import mooncake_keys.vllm as mv  # noqa: E402

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-F = pytest.importorskip("vllm_factory")
+from mooncake_keys.vllm import harness as F  # noqa: E402
 pytest.importorskip("mooncake.store")
 
 import mooncake_keys as mk  # noqa: E402

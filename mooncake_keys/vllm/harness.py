@@ -1,5 +1,7 @@
-"""Build vLLM's real ``MooncakeStoreWorker`` on a CPU-only machine (test support; calls vLLM,
-copies none of it).
+"""Build vLLM's real ``MooncakeStoreWorker`` on a machine without a GPU, for the tests and the
+benchmarks that compare mooncake_keys with vLLM's own lookup (it calls vLLM, copies none of it).
+
+Importing this module imports vLLM and torch, and sets a few environment defaults (below).
 
 The worker is constructed by vLLM's own code path (``KVConnectorFactory`` ->
 ``MooncakeStoreConnector.__init__`` -> ``MooncakeStoreWorker.__init__``, or the

@@ -1,0 +1,95 @@
+"""vLLM 0.33's own lookup as a benchmark baseline (``impl = "vllm"``).
+
+A real ``MooncakeStoreWorker`` of the installed vLLM release, built by its own code for a
+benchmark scenario (``mooncake_keys.vllm.harness``: only the GPU, rank and store parts
+replaced), answering on the scenario's stub store; hashes reach it as vLLM's lookup server
+hands them over (a ``BlobBlockHashes`` view of one buffer). Without vLLM 0.33 installed,
+:func:`unavailable` says why and the benchmarks leave this baseline out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional
+
+__all__ = ["VllmLookup", "scenario_cfg", "unavailable"]
+
+#: The vLLM release the baseline is measured against.
+RELEASE = "0.33"
+
+
+def unavailable() -> Optional[str]:
+    """Why vLLM's lookup cannot be the baseline here, or None when it can."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "vLLM is not installed (bash scripts/dev.sh bench runs the benchmark in a vLLM 0.33 venv)"
+    if not version.startswith(RELEASE + "."):
+        return f"vLLM {version} is installed, the baseline is vLLM {RELEASE}.x"
+    try:
+        import mooncake_keys.vllm.harness  # noqa: F401  (imports vLLM)
+    except Exception as exc:  # noqa: BLE001 - any import failure leaves the baseline out
+        return f"vLLM's Mooncake store code cannot be imported: {type(exc).__name__}: {exc}"
+    return None
+
+
+def scenario_cfg(scenario: Any) -> Dict[str, Any]:
+    """The harness deployment of a benchmark scenario (see ``bench.scenarios.Scenario``)."""
+    layout = scenario.layout
+    groups = []
+    for grp in scenario.groups:
+        spec = grp.spec
+        if hasattr(spec, "sliding_window"):
+            groups.append({"type": "swa_mla" if layout.use_mla else "swa", "block_size": spec.block_size,
+                           "sliding_window": spec.sliding_window, "is_eagle_group": grp.is_eagle_group})
+        else:
+            groups.append({"type": "mla" if layout.use_mla else "full", "block_size": spec.block_size,
+                           "is_eagle_group": grp.is_eagle_group})
+    cfg: Dict[str, Any] = {
+        "model": scenario.model_name, "use_mla": layout.use_mla, "num_kv_heads": layout.num_kv_heads,
+        "tp_size": layout.tp_size, "pp_size": layout.pp_size, "pcp_size": layout.pcp_size,
+        "dcp_size": layout.dcp_size, "groups": groups, "use_eagle": scenario.use_eagle,
+        "reuse_model_config": True,
+    }
+    if len(groups) > 1:
+        cfg["hash_block_size"] = scenario.hash_block_size
+    return cfg
+
+
+class VllmLookup:
+    """``lookup(token_len, blob, hash_len) -> hit`` by vLLM's own worker for one scenario."""
+
+    def __init__(self, scenario: Any, store: Any) -> None:
+        reason = unavailable()
+        if reason is not None:
+            raise NotImplementedError(reason)
+        from mooncake_keys.vllm import harness
+
+        harness.quiet(logging.CRITICAL)
+        self.worker = harness.build_worker(scenario_cfg(scenario), store)
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
+
+        self._view = BlobBlockHashes
+
+    def lookup(self, token_len: int, blob: bytes, hash_len: int) -> int:
+        return self.worker.lookup(token_len, self._view(memoryview(blob), hash_len)).hit_length
+
+    def candidate_keys(self, token_len: int, blob: bytes, hash_len: int) -> list:
+        """The keys vLLM's lookup sends (its one ``batch_is_exist``), recorded on a stub."""
+        saved = self.worker.store
+
+        class Recorder:
+            keys: list = []
+
+            def batch_is_exist(self, keys: Any) -> list:
+                Recorder.keys = list(keys)
+                return [0] * len(keys)
+
+        self.worker.store = Recorder()
+        try:
+            self.worker.lookup(token_len, self._view(memoryview(blob), hash_len))
+        finally:
+            self.worker.store = saved
+        return Recorder.keys
