@@ -55,7 +55,6 @@ from ._checks import int_arg
 from .lookup.contract import DEFAULT_VLLM_COMPAT
 from .lookup.deployment import Deployment, GroupLike
 from .lookup.hashes import BlockHashes, as_block_hashes
-from .lookup.keys import PoolKey
 from .lookup.layout import Namespace, ParallelLayout
 from .lookup.specs import KVCacheGroup, SlidingWindowSpec
 from .store.gate import CallGate, GateClosed

@@ -54,8 +54,6 @@ def cases(draw):
     hash_bs, specs, flags = draw(group_mixes(single))
     use_eagle = draw(st.booleans())
     hash_len = draw(st.sampled_from([8, 16, 32]))
-    eng = mk.LookupEngine.__new__  # noqa: F841 (documentation: built below)
-    sched = 1
     from math import lcm
     sched = lcm(*(s.block_size for s in specs))
     token_len = sched * draw(st.integers(0, 6))

@@ -19,7 +19,7 @@ pytest.importorskip("mooncake.store")
 pytestmark = pytest.mark.mooncake
 
 from mooncake_keys.store.config import MooncakeStoreConfig  # noqa: E402
-from mooncake_keys.store.local_master import LocalMaster, LocalMasterError, free_port  # noqa: E402
+from mooncake_keys.store.local_master import LocalMaster, LocalMasterError  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore, MooncakeStoreError, MooncakeStoreUnavailable  # noqa: E402
 from mooncake_keys.store.process import listening_sockets  # noqa: E402
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 

@@ -155,6 +155,29 @@ class Coordinator:
         #: Groups whose lookup mask allows for the EAGLE drop.
         self.eagle_group_ids = frozenset(flagged)
         self._lookup_mask = lru_cache(maxsize=64)(self._compute_lookup_mask)
+        #: Whether more chunks present never shorten the hit (see :meth:`_hit_is_monotone`).
+        self.hit_is_monotone = self._hit_is_monotone()
+
+    def _hit_is_monotone(self) -> bool:
+        """Whether, for every lookup, a chunk turning from absent to present never shortens
+        the hit. Asking in rounds (:mod:`.rounds`) may stop early only where this holds.
+
+        It holds without EAGLE: every manager's hit grows with its presence and its maximum
+        length and never exceeds that length, so the fixed point of the hybrid loop, and the
+        re-derivation of a full hit one alignment step lower, grow with presence. With EAGLE it
+        holds for one attention group (one manager call), for a full-attention group followed
+        by one other (one pass), and when every group is full attention (later passes only take
+        minima). Otherwise a group verified in one pass is scanned again without the drop and
+        with a shorter window after the hit falls, and the hit is no longer monotone: two
+        sliding-window groups with EAGLE give 128 tokens on a store holding fewer chunks than
+        one on which they give 0 (tests/test_rounds.py).
+        """
+        attn = self.attention_groups
+        if not self.eagle_attention_indices or len(attn) == 1:
+            return True
+        if len(attn) == 2 and isinstance(attn[0][0], FullAttentionSpec):
+            return True
+        return all(isinstance(spec, FullAttentionSpec) for spec, _ in attn)
 
     # ----------------------------------------------------------------------------- masks
     def align(self, num_tokens: int) -> int:

@@ -79,22 +79,29 @@ class LookupPlan:
         order asked, groups one after another), every other chunk 0."""
         presence = []
         off = 0
-        for plan in self.groups:
-            p = bytearray(plan.num_chunks)
-            if isinstance(plan.presumed, range):
-                p[: len(plan.presumed)] = b"\x01" * len(plan.presumed)
-            else:
-                for j in plan.presumed:
-                    p[j] = 1
+        for g, plan in enumerate(self.groups):
             n = len(plan.asked)
-            if isinstance(plan.asked, range):
-                p[plan.asked.start:plan.asked.stop] = flags[off:off + n]
-            else:
-                for j, f in zip(plan.asked, flags[off:off + n]):
-                    p[j] = f
+            presence.append(self.presence_of(g, flags[off:off + n]))
             off += n
-            presence.append(p)
         return presence
+
+    def presence_of(self, g: int, flags: Sequence[Any]) -> bytearray:
+        """Group ``g``'s presence per chunk given its first ``len(flags)`` asked chunks' flags
+        (the rest absent)."""
+        plan = self.groups[g]
+        p = bytearray(plan.num_chunks)
+        if isinstance(plan.presumed, range):
+            p[: len(plan.presumed)] = b"\x01" * len(plan.presumed)
+        else:
+            for j in plan.presumed:
+                p[j] = 1
+        n = len(flags)
+        if isinstance(plan.asked, range):
+            p[plan.asked.start:plan.asked.start + n] = flags
+        else:
+            for j, f in zip(plan.asked, flags):
+                p[j] = f
+        return p
 
 
 def _check_unambiguous(model_name: str, cache_prefix: str) -> None:

@@ -31,8 +31,12 @@ from .deployment import Deployment, GroupLike, LookupPlan
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
+from .rounds import MIN_KEYS as ROUNDS_MIN_KEYS, Rounds
 
-__all__ = ["LookupEngine", "LookupResult", "LookupStats", "TailKeyBoundary"]
+__all__ = ["LookupEngine", "LookupResult", "LookupStats", "STRATEGIES", "TailKeyBoundary"]
+
+#: How a lookup asks the store: every key in one call (vLLM's way), or in rounds (.rounds).
+STRATEGIES = ("oneshot", "rounds")
 
 logger = logging.getLogger("mooncake_keys.lookup")
 
@@ -80,7 +84,12 @@ class LookupEngine:
     names the vLLM release whose answers are reproduced: ``"0.33"`` (default) or ``"0.25"``
     (see :mod:`mooncake_keys.lookup.contract`); ``store_namespace`` (the string vLLM 0.33 puts
     after the model name for a store layout) and ``partial_hash_hits`` (keys per hash unit,
-    hits aligned to it) are vLLM 0.33's.
+    hits aligned to it) are vLLM 0.33's. ``strategy`` is how the store is asked: ``"rounds"``
+    (default) asks a few chunks first and stops where the answer is decided: the one-shot
+    answer, from far fewer keys on a miss (:mod:`mooncake_keys.lookup.rounds`); lookups of
+    fewer than ``rounds_min_keys`` keys, and those where rounds cannot be exact (partial hash
+    hits, some EAGLE hybrids: then :attr:`strategy` is ``"oneshot"``), ask every key in one
+    call. ``"oneshot"`` always does, as vLLM does.
     ``key_cache_bytes`` bounds the memoised keys of repeated requests and ``spare_key_bytes``
     the strings kept for reuse (0 turns either off; see :class:`KeyCache`). ``core`` pins the
     core: ``"c"`` (compiled) or ``"py"`` (pure Python); None takes the active one.
@@ -101,12 +110,18 @@ class LookupEngine:
         partial_hash_hits: bool = False,
         vllm_compat: str = DEFAULT_VLLM_COMPAT,
         allow_ambiguous_names: bool = False,
+        strategy: str = "rounds",
+        rounds_min_keys: int = ROUNDS_MIN_KEYS,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
         core: Optional[str] = None,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) -> list[int] method")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        #: A lookup of fewer keys than this asks one-shot even with strategy "rounds".
+        self.rounds_min_keys = int_arg("rounds_min_keys", rounds_min_keys, min=0)
         self.deployment = Deployment(
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
@@ -115,6 +130,11 @@ class LookupEngine:
             allow_ambiguous_names=allow_ambiguous_names, core=core,
         )
         self.store = store
+        #: "oneshot" (every key in one call, as vLLM) or "rounds" (only the keys the answer
+        #: needs). Rounds stop early only where the hit grows with the store's answers, so
+        #: partial hash hits and the EAGLE hybrids of Coordinator.hit_is_monotone ask one-shot.
+        rounds_exact = not partial_hash_hits and self.deployment.coordinator.hit_is_monotone
+        self.strategy = strategy if rounds_exact else "oneshot"
         # A store that never changes the key list may be handed the memoised one itself.
         self._share_memo = getattr(store, "mutates_keys", True) is False
         self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=self.deployment.core.REUSES_STRINGS)
@@ -221,8 +241,9 @@ class LookupEngine:
             cache.keep(fingerprint, blob, keys, size, spare=for_store)
         return keys
 
-    def _ask(self, keys: List[str], plan: LookupPlan) -> Optional[Any]:
-        """One ``batch_is_exist``; per asked chunk 1 when all its namespaces answered 1.
+    def _ask(self, keys: List[str], chunks: Sequence[int]) -> Optional[Any]:
+        """One ``batch_is_exist`` of ``keys`` (``chunks[g]`` chunks of each group, one key per
+        namespace); per chunk 1 when all its namespaces answered 1.
 
         The store-fault policy: an exception, an answer that is not a list or tuple, or one of
         the wrong length gives None (the lookup answers 0) and one warning line.
@@ -244,20 +265,20 @@ class LookupEngine:
                 logger.warning("lookup answered 0: batch_is_exist returned %d results for %d keys",
                                len(results), len(keys))
                 return None
-            return self._reduce(results, plan)
+            return self._reduce(results, chunks)
         except Exception as exc:  # a list subclass that fails to iterate, ...
             logger.warning("lookup answered 0: the answer of batch_is_exist could not be read: %s: %s",
                            type(exc).__name__, exc)
             return None
 
-    def _reduce(self, results: list, plan: LookupPlan) -> Any:
+    def _reduce(self, results: list, chunks: Sequence[int]) -> Any:
         dep = self.deployment
         if self._uniform_r:
             return dep.reduce(results, self._uniform_r)
         flags = bytearray()
         off = 0
-        for g, p in enumerate(plan.groups):
-            n = len(p.asked) * len(dep.lookup_heads[g])
+        for g, c in enumerate(chunks):
+            n = c * len(dep.lookup_heads[g])
             if n:
                 flags += dep.reduce(results[off:off + n], len(dep.lookup_heads[g]))
             off += n
@@ -307,9 +328,11 @@ class LookupEngine:
             self._count(0, 0, 0)
             return None
         aligned, hashes, plan = prepared
+        if self.strategy == "rounds" and self._keys_of(plan) >= self.rounds_min_keys:
+            return self._lookup_in_rounds(token_len, hashes, plan)
         keys = self._keys(aligned, skip_tokens, hashes, plan, for_store=True)
         if keys:
-            flags = self._ask(keys, plan)
+            flags = self._ask(keys, [len(p.asked) for p in plan.groups])
             if flags is None:
                 self._count(len(keys), 1, 0)
                 return None
@@ -323,6 +346,46 @@ class LookupEngine:
         self._count(len(keys), 0, hit)
         return hit, len(hashes), presence
 
+    def _keys_of(self, plan: LookupPlan) -> int:
+        """Keys a one-shot lookup of ``plan`` sends."""
+        heads = self.deployment.lookup_heads
+        return sum(len(p.asked) * len(heads[g]) for g, p in enumerate(plan.groups))
+
+    def _lookup_in_rounds(self, num_tokens: int, hashes: BlockHashes, plan: LookupPlan
+                          ) -> Optional[Tuple[int, int, List[bytearray]]]:
+        """The one-shot answer, asking only until the bounds of the hit meet (see .rounds)."""
+        dep = self.deployment
+        heads = dep.lookup_heads
+        state = Rounds(dep, plan)
+        n = len(hashes)
+        sent = calls = 0
+        while True:
+            low = self._hit(num_tokens, n, plan, state.low)
+            high = self._hit(num_tokens, n, plan, state.high)
+            if low == high:
+                self._count_rounds(sent, calls, 0, low)
+                return low, n, state.low
+            chosen = state.next_round(low, high)
+            chunks = [sum(b - a for a, b in slices) for slices in chosen]
+            keys: List[Any] = [None] * sum(c * len(heads[g]) for g, c in enumerate(chunks))
+            pos = 0
+            for g, slices in enumerate(chosen):
+                index = state.groups[g].index
+                for a, b in slices:
+                    pos = dep.fill_keys(keys, pos, heads[g], hashes, index[a:b])
+            flags = self._ask(keys, chunks)
+            sent += len(keys)
+            calls += 1
+            if flags is None:
+                self._count_rounds(sent, calls, 1, 0)
+                return None
+            off = 0
+            per_group = []
+            for c in chunks:
+                per_group.append(flags[off:off + c])
+                off += c
+            state.record(chosen, per_group)
+
     def _hit(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> int:
         dep = self.deployment
         hit = dep.hit_length(presence, plan.span, num_hashes)
@@ -334,10 +397,13 @@ class LookupEngine:
         return hit
 
     def _count(self, keys: int, failed: int, hit: int) -> None:
+        self._count_rounds(keys, 1 if keys else 0, failed, hit)
+
+    def _count_rounds(self, keys: int, calls: int, failed: int, hit: int) -> None:
         with self._stats_lock:
             c = self._counts
             c[0] += 1
-            c[1] += 1 if keys else 0
+            c[1] += calls
             c[2] += failed
             c[3] += keys
             c[4] += hit

@@ -245,7 +245,7 @@ class MooncakeStore:
         _warn_about_listeners(protocol)
         setup = dict(metadata_server=metadata_server, local_hostname=local_hostname, segment=segment,
                      buffer=buffer, protocol=protocol, device_name=device_name)
-        reconnect = None
+        reconnect: Optional[Callable[[str, int], Any]] = None
         target = master_address
         if lookup_only and master_address.startswith("etcd://"):
             # An rpc_only client given etcd:// takes ~30 s to follow a failover and to close:
@@ -256,8 +256,10 @@ class MooncakeStore:
                 raise MooncakeStoreError(f"Mooncake setup failed: {exc}") from None
             target = f"{host}:{port}"
 
-            def reconnect(h: str, p: int) -> Any:
+            def _reconnect(h: str, p: int) -> Any:
                 return _setup_client(f"{h}:{p}", **setup)
+
+            reconnect = _reconnect
 
         client = _setup_client(target, **setup)
         return cls(client, master_address=master_address, probe_interval_s=probe_interval_s,

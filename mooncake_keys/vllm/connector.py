@@ -9,7 +9,8 @@ Turned on with one line of config::
 Everything is vLLM's (saves, loads, events, metrics, the ZMQ lookup channel) except the lookup:
 on rank 0 the worker's lookup is replaced by :func:`~mooncake_keys.vllm.accelerate_worker`.
 With ``"lookup_in_scheduler": true`` in ``kv_connector_extra_config`` the scheduler answers
-lookups itself (:mod:`.scheduler`).
+lookups itself (:mod:`.scheduler`). ``"lookup_strategy"`` there is the engine's strategy:
+``"rounds"`` (default: only the keys the answer needs) or ``"oneshot"`` (vLLM's keys, one call).
 """
 
 from __future__ import annotations
@@ -21,27 +22,34 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
+from ..lookup.engine import STRATEGIES
 from .mapping import Unsupported
 from .scheduler import SchedulerLookupClient, handshake_path, publish, scheduler_engine_config
 from .versions import contract_for_installed
 from .worker import accelerate_worker, log_once
 
-__all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER"]
+__all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER", "LOOKUP_STRATEGY"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 
 #: The ``kv_connector_extra_config`` switch of the in-scheduler lookup.
 LOOKUP_IN_SCHEDULER = "lookup_in_scheduler"
+#: The ``kv_connector_extra_config`` key of the lookup strategy.
+LOOKUP_STRATEGY = "lookup_strategy"
 
 
 class FastMooncakeStoreConnector(MooncakeStoreConnector):
     """vLLM's Mooncake store connector whose lookups run in mooncake_keys."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        self._handshake: Optional[str] = None  # vLLM's __del__ calls shutdown() even after a failed __init__
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self._strategy = extra.get(LOOKUP_STRATEGY, "rounds")
+        if self._strategy not in STRATEGIES:  # before vLLM's connector starts anything
+            raise ValueError(f"kv_connector_extra_config[{LOOKUP_STRATEGY!r}] must be one of {STRATEGIES}, "
+                             f"got {self._strategy!r}")
+        super().__init__(vllm_config, role, kv_cache_config)
         self._in_scheduler = bool(extra.get(LOOKUP_IN_SCHEDULER, False))
-        self._handshake: Optional[str] = None
         if role == KVConnectorRole.SCHEDULER:
             if self._in_scheduler and self.connector_scheduler is not None:
                 self._lookup_in_scheduler(vllm_config)
@@ -49,7 +57,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         worker = self.connector_worker
         if worker is None or vllm_config.parallel_config.rank != 0:
             return  # only rank 0 answers lookups
-        if accelerate_worker(worker) and self._in_scheduler:
+        if accelerate_worker(worker, strategy=self._strategy) and self._in_scheduler:
             try:
                 self._handshake = publish(vllm_config, worker.lookup.engine.prefixes)
             except OSError as exc:
@@ -71,7 +79,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
             log_once(logging.WARNING, "mooncake_keys: lookups stay on the ZMQ path to rank 0: %s: %s",
                      type(exc).__name__, exc)
             return
-        engine = LookupEngine(**config, store=store)
+        engine = LookupEngine(**config, store=store, strategy=self._strategy)
         sched.client = SchedulerLookupClient(sched.client, engine, store, handshake_path(vllm_config))
 
     def shutdown(self) -> None:

@@ -2,9 +2,11 @@
 
 The worker keeps everything of vLLM's (store, threads, metrics, the ZMQ lookup server); only its
 ``lookup`` attribute is replaced, by one built from the worker's own state and checked against
-it (:mod:`.mapping`). The replacement answers with vLLM's own result types, sends the same keys
-in one ``batch_is_exist`` through the worker's store, and records vLLM's ``lookup_exists``
-metric as the original does. A worker the engine cannot reproduce keeps vLLM's lookup, and the
+it (:mod:`.mapping`). The replacement answers with vLLM's own result types and values, asks
+through the worker's store, and records vLLM's ``lookup_exists`` metric for every call as the
+original does. It asks in rounds (``strategy="rounds"``: the same answer from only the keys it
+needs, :mod:`mooncake_keys.lookup.rounds`), or with ``strategy="oneshot"`` the very keys vLLM
+sends, in one ``batch_is_exist``. A worker the engine cannot reproduce keeps vLLM's lookup, and the
 reason is logged once.
 """
 
@@ -14,7 +16,7 @@ import logging
 import time
 from typing import Any, Optional
 
-from ..lookup.engine import LookupEngine
+from ..lookup.engine import STRATEGIES, LookupEngine
 from ..lookup.hashes import BlockHashes
 from .mapping import EngineConfig, Unsupported, check_against, engine_config
 from .versions import contract_for_installed
@@ -116,16 +118,19 @@ class FastLookup:
         return result_cls(r.hit_length, tuple(boundary_cls(b.group_id, b.num_tokens) for b in r.tail_key_boundaries))
 
 
-def accelerate_worker(worker: Any) -> bool:
+def accelerate_worker(worker: Any, *, strategy: str = "rounds") -> bool:
     """Answer ``worker.lookup`` with mooncake_keys; True when it does.
 
     ``worker`` is vLLM's rank-0 ``MooncakeStoreWorker`` (0.33.x, or 0.25.x). The new lookup
     gives vLLM's own results (``MooncakeLookupResult`` with ``TailKeyBoundary`` objects on 0.33)
-    with identical values, sends the identical keys in one ``batch_is_exist`` through
-    ``worker.store`` and records vLLM's ``lookup_exists`` metric. A worker that cannot be
+    with identical values, asks ``worker.store`` and records vLLM's ``lookup_exists`` metric
+    per call. ``strategy`` is the engine's (see :class:`LookupEngine`): ``"rounds"`` (default)
+    asks only the keys the answer needs, ``"oneshot"`` sends vLLM's keys in one call. A worker that cannot be
     reproduced (a Mamba group, a capacity-only worker, an unsupported vLLM, ...) keeps vLLM's
     lookup: False, and one log line says why. Calling it again is harmless.
     """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if isinstance(getattr(worker, "lookup", None), FastLookup):
         return True
     contract = contract_for_installed()
@@ -140,12 +145,14 @@ def accelerate_worker(worker: Any) -> bool:
                  "keeping vLLM's own lookup")
         return False
     try:
-        engine = LookupEngine(**engine_config_from_worker(worker, contract), store=WorkerStore(worker))
+        engine = LookupEngine(**engine_config_from_worker(worker, contract), store=WorkerStore(worker),
+                              strategy=strategy)
         check_against(engine, worker.coord, worker._lookup_key_prefixes)
     except (Unsupported, ValueError, TypeError) as exc:
         log_once(logging.WARNING, "mooncake_keys: keeping vLLM's own Mooncake lookup for this deployment: %s", exc)
         return False
     worker.lookup = FastLookup(engine, worker.lookup)
-    logger.info("mooncake_keys: Mooncake lookups of this worker run in mooncake_keys (vLLM %s contract, %s core)",
-                contract, "compiled" if engine.deployment.core.__name__.endswith("_c") else "pure Python")
+    logger.info("mooncake_keys: Mooncake lookups of this worker run in mooncake_keys (vLLM %s contract, %s core, "
+                "strategy %s)", contract, "compiled" if engine.deployment.core.__name__.endswith("_c") else "pure Python",
+                engine.strategy)
     return True

@@ -4,8 +4,9 @@ Thousands of random deployments (hybrids, merged and unmerged groups, EAGLE, TP/
 hybrid + DCP, MLA/GQA mixes, dropped groups, cache prefixes, store layouts, partial hash hits),
 each built by vLLM's own constructor with only the GPU, rank and store parts replaced, then
 several requests (unaligned, fully stored, stores with holes, odd codes and faults). Both sides
-ask the same store function; for every request they must send the same keys in one call and
-answer the same hit length and (vLLM 0.33) tail boundaries. The engine uses the default core:
+ask the same store function; for every request the one-shot engine must send the same keys in
+one call and answer the same hit length and (vLLM 0.33) tail boundaries, and the engine asking
+in rounds the same answer from no more keys. The engine uses the default core:
 the suite runs once compiled and once with ``MOONCAKE_KEYS_NO_EXTENSIONS=1``.
 """
 
@@ -18,7 +19,6 @@ from collections import Counter
 
 import pytest
 
-import mooncake_keys as mk
 
 from mooncake_keys.vllm import harness as F  # noqa: E402
 from cases import AnswerStore, engine_for, random_cfg, random_request, random_store, sizes  # noqa: E402
@@ -63,7 +63,7 @@ def compare_one(seed: int, tally: Counter) -> None:
             num_tokens, hashes = random_request(rng, cfg, V033)
             store = random_store(rng, hashes, cfg)
             mine = AnswerStore(store.answer, store.fault)
-            engine = engine_for(cfg, V033, mine, described)
+            engine = engine_for(cfg, V033, mine, described, strategy="oneshot")
             worker.store = store
             want = vllm_answer(worker, num_tokens, hashes)
             got = ours(engine, num_tokens, hashes)
@@ -80,6 +80,12 @@ def compare_one(seed: int, tally: Counter) -> None:
             context = dict(cfg=cfg, num_tokens=num_tokens, n_hashes=len(hashes), fault=store.fault)
             assert mine.calls == store.calls, ("keys sent differ", context, described.get("lookup_key_prefixes"))
             assert got == want, ("answers differ", context, got, want)
+            # Asked in rounds (at any size): the same answer from no more keys.
+            asked = AnswerStore(store.answer, store.fault)
+            in_rounds = engine_for(cfg, V033, asked, described, rounds_min_keys=0)
+            assert ours(in_rounds, num_tokens, hashes) == want, ("rounds differ", context)
+            assert sum(map(len, asked.calls)) <= sum(map(len, store.calls))
+            tally["rounds"] += in_rounds.strategy == "rounds"
             tally["compared"] += 1
             tally["hit"] += bool(got[0])
             tally["store calls"] += len(store.calls)
@@ -95,7 +101,7 @@ def test_lookup_agrees_with_vllm(batch):
         compare_one(seed, tally)
     print(dict(tally))
     assert tally["compared"] >= len(seeds)  # most deployments build, and each asks several times
-    assert tally["hit"] > 0
+    assert tally["hit"] > 0 and tally["rounds"] > 0
 
 
 def test_the_engine_runs_the_expected_core():

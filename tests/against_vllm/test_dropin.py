@@ -62,8 +62,10 @@ def test_accelerated_worker_answers_as_vllm(batch):
             ours = [AnswerStore(p.answer, p.fault) for p in plans]
             want = answers(worker, requests, theirs)
             want_records = lookup_records(worker)
+            original = worker.lookup
+            # One-shot: vLLM's very keys in one call each, and its very metric records.
             worker.kv_connector_stats.reset()
-            assert mv.accelerate_worker(worker), cfg  # every generated deployment is expressible
+            assert mv.accelerate_worker(worker, strategy="oneshot"), cfg  # every generated deployment is expressible
             assert isinstance(worker.lookup, FastLookup)
             got = answers(worker, requests, ours)
             for w, g, t, o, p in zip(want, got, theirs, ours, plans):
@@ -77,6 +79,23 @@ def test_accelerated_worker_answers_as_vllm(batch):
                 assert o.calls == t.calls
             if not any(p.fault == "short" for p in plans) and all(w[0] != "raised" for w in want):
                 assert lookup_records(worker) == want_records
+            # Rounds (the default; here on lookups of any size): the same answers, one metric
+            # record per call with that call's keys, never more keys than vLLM sends.
+            worker.lookup = original
+            worker.kv_connector_stats.reset()
+            assert mv.accelerate_worker(worker), cfg
+            worker.lookup.engine.rounds_min_keys = 0
+            in_rounds = [AnswerStore(p.answer, p.fault) for p in plans]
+            got = answers(worker, requests, in_rounds)
+            for w, g, t, o, p in zip(want, got, theirs, in_rounds, plans):
+                if p.fault == "short":
+                    assert g[1] in ("0", "MooncakeLookupResult(hit_length=0, tail_key_boundaries=())")
+                elif w[0] == "raised":
+                    assert g[0] != "raised"
+                else:
+                    assert g == w, cfg
+                    assert sum(map(len, o.calls)) <= sum(map(len, t.calls))
+            assert [r["num_keys"] for r in lookup_records(worker)] == [len(c) for s in in_rounds for c in s.calls]
             accelerated += 1
         finally:
             F.release(worker)
@@ -133,3 +152,15 @@ def test_the_wire_view_of_hashes_is_read_without_a_copy():
     view = as_block_hashes(BlobBlockHashes(memoryview(blob), 16))
     assert len(view) == 5 and view.hash_len == 16 and view.blob.obj is blob
     assert len(as_block_hashes(BlobBlockHashes(memoryview(blob), 0))) == 0
+
+
+def test_the_lookup_strategy_comes_from_the_connector_config():
+    base = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+            "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
+    default = F.build_worker(base, AnswerStore(lambda k: 1))
+    oneshot = F.build_worker({**base, "extra_config": {"lookup_strategy": "oneshot"}}, AnswerStore(lambda k: 1))
+    assert default.lookup.engine.strategy == "rounds" and oneshot.lookup.engine.strategy == "oneshot"
+    F.release(default)
+    F.release(oneshot)
+    with pytest.raises(ValueError, match="lookup_strategy.*must be one of"):
+        F.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, AnswerStore(lambda k: 1))

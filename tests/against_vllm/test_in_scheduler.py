@@ -14,7 +14,6 @@ import pytest
 from mooncake_keys.vllm import harness as F  # noqa: E402
 pytest.importorskip("mooncake.store")
 
-import mooncake_keys as mk  # noqa: E402
 import mooncake_keys.vllm as mv  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore  # noqa: E402

@@ -1,0 +1,233 @@
+"""Lookups against a real ``mooncake_master``: keys sent, round trips and time by hit fraction.
+
+On a real master the client is no longer the cost: every key asked costs the master about a
+microsecond. This module measures what a lookup costs end to end for the strategies of
+:class:`mooncake_keys.LookupEngine` (``oneshot``: every key in one ``batch_is_exist``, as vLLM;
+``rounds``: :mod:`mooncake_keys.lookup.rounds`) and, where vLLM 0.33 is installed, for vLLM's
+own ``MooncakeStoreWorker.lookup``, on standard scenarios with the first 0, 10, 50, 90 or 100 %
+of a request's prefix stored (every group, every namespace).
+
+Set-up: a :class:`~mooncake_keys.store.local_master.LocalMaster` on 127.0.0.1 (or the master
+given), one client holding a segment that stores the prefixes (64-byte values), and one
+lookup-only client (Mooncake's ``rpc_only``, as a scheduler-side lookup uses) that every
+implementation asks, through a counter of calls and keys. Each (scenario, fraction) has its own
+request; the implementations take turns on it, round after round (interleaved, so a noisy
+machine slows them alike), and the figure kept is the median. The engines run without a key
+cache (each lookup builds its keys; the client side is a few percent of a lookup here).
+All implementations must agree on every hit, or :func:`run_on_master` raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mooncake_keys as mk
+
+from . import scenarios as common
+
+__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "CountingStore", "run_on_master", "format_table",
+           "check_targets", "plot"]
+
+#: Fractions of the prefix stored.
+HIT_FRACTIONS = (0.0, 0.1, 0.5, 0.9, 1.0)
+#: The standard scenarios measured (see ``scenarios.STANDARD``).
+SCENARIOS = "abd"
+IMPLS = ("oneshot", "rounds", "vllm")
+#: Issue 10's targets: at a 0 % hit on scenario a a lookup takes at most this many ms ...
+MISS_MS_TARGET = 2.0
+#: ... and at a full hit rounds take at most this many times the one-shot time.
+FULL_HIT_RATIO_TARGET = 1.1
+
+Progress = Optional[Callable[[str], Any]]
+
+
+class CountingStore:
+    """Passes ``batch_is_exist`` on, counting calls and keys."""
+
+    mutates_keys = False
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.calls = 0
+        self.keys = 0
+
+    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
+        self.calls += 1
+        self.keys += len(keys)
+        return self.store.batch_is_exist(keys)
+
+
+def _store_prefix(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4096) -> None:
+    for i in range(0, len(keys), batch):
+        part = keys[i:i + batch]
+        rc = holder.batch_put_from(part, [ptr] * len(part), [size] * len(part))
+        failed = sum(1 for x in rc if x)
+        if failed:
+            raise RuntimeError(f"{failed} of {len(part)} puts failed (codes {sorted(set(rc))})")
+
+
+class _Runner:
+    """One implementation on one scenario: ``lookup(request) -> hit`` through a counter."""
+
+    def __init__(self, impl: str, scenario: common.Scenario, store: Any) -> None:
+        self.impl = impl
+        self.counter = CountingStore(store)
+        if impl == "vllm":
+            from .vllm_baseline import VllmLookup
+
+            vllm = VllmLookup(scenario, self.counter)
+            self.lookup = lambda req: vllm.lookup(req.token_len, req.blob, req.hash_len)
+        else:
+            engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
+                                     hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
+                                     store=self.counter, strategy=impl, key_cache_bytes=0)
+            self.lookup = lambda req: engine.lookup(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len))
+
+
+def _fraction_request(sc: common.Scenario, fraction: float) -> common.Request:
+    # Request numbers 1000+ are this module's, one per fraction, none shared with another one.
+    return common.make_request(sc, 1000 + int(round(fraction * 100)))
+
+
+def _stored_tokens(sc: common.Scenario, fraction: float) -> int:
+    sbs = sc.scheduler_block_size
+    return int(sc.token_len * fraction) // sbs * sbs
+
+
+def run_on_master(*, scenarios: str = SCENARIOS, fractions: Sequence[float] = HIT_FRACTIONS, repeat: int = 15,
+                  master_address: Optional[str] = None, progress: Progress = None) -> List[Dict[str, Any]]:
+    """Measure; one row per (scenario, fraction, impl) with ``keys`` and ``calls`` per lookup,
+    ``ms`` (median), ``ratio_vs_oneshot``, ``hit`` (tokens) and ``stored_tokens``.
+
+    Starts a :class:`LocalMaster` unless ``master_address`` is given (then the prefixes are
+    stored there too). Raises RuntimeError when implementations disagree on a hit.
+    """
+    from ..bench.vllm_baseline import unavailable
+    from ..store.local_master import LocalMaster
+    from ..store.mooncake import MooncakeStore
+
+    impls = [i for i in IMPLS if i != "vllm" or unavailable() is None]
+    master = None
+    holder = looker = None
+    rows: List[Dict[str, Any]] = []
+    try:
+        if master_address is None:
+            master = LocalMaster().start()
+            master_address = master.master_address
+        holder = MooncakeStore.connect(master_address, global_segment_size=512 << 20)
+        looker = MooncakeStore.connect(master_address, lookup_only=True)
+        value = ctypes.create_string_buffer(4096)
+        ptr = ctypes.addressof(value)
+        if holder.register_buffer(ptr, len(value)) != 0:
+            raise RuntimeError("register_buffer failed")
+        for sname in scenarios:
+            sc = common.STANDARD[sname]
+            runners = {impl: _Runner(impl, sc, looker) for impl in impls}
+            for fraction in fractions:
+                req = _fraction_request(sc, fraction)
+                stored = _stored_tokens(sc, fraction)
+                _store_prefix(holder, common._keys_of(sc, req, stored), ptr, 64)
+                rows += _measure(sname, fraction, stored, req, runners, repeat)
+                if progress:
+                    progress(f"scenario {sname}, {fraction:.0%} stored")
+        holder.unregister_buffer(ptr)
+    finally:
+        for store in (looker, holder):
+            if store is not None:
+                store.close()
+        if master is not None:
+            master.stop()
+    return rows
+
+
+def _measure(sname: str, fraction: float, stored: int, req: common.Request, runners: Dict[str, _Runner],
+             repeat: int) -> List[Dict[str, Any]]:
+    hits: Dict[str, int] = {}
+    counts: Dict[str, tuple] = {}
+    for impl, r in runners.items():  # once untimed: the answer, the keys and calls of one lookup
+        c0, k0 = r.counter.calls, r.counter.keys
+        hits[impl] = r.lookup(req)
+        counts[impl] = (r.counter.calls - c0, r.counter.keys - k0)
+    if len(set(hits.values())) != 1:
+        raise RuntimeError(f"scenario {sname}, {fraction:.0%} stored: implementations disagree: {hits}")
+    times: Dict[str, List[float]] = {impl: [] for impl in runners}
+    order = list(runners)
+    for rnd in range(repeat):
+        for impl in order[rnd % len(order):] + order[:rnd % len(order)]:  # a new first one each round
+            t0 = time.perf_counter()
+            runners[impl].lookup(req)
+            times[impl].append((time.perf_counter() - t0) * 1e3)
+    median = {impl: statistics.median(t) for impl, t in times.items()}
+    return [dict(scenario=sname, fraction=fraction, stored_tokens=stored, token_len=req.token_len, impl=impl,
+                 hit=hits[impl], calls=counts[impl][0], keys=counts[impl][1], ms=median[impl],
+                 ratio_vs_oneshot=median[impl] / median["oneshot"])
+            for impl in runners]
+
+
+def format_table(rows: Sequence[Dict[str, Any]]) -> str:
+    head = f"{'scenario':8} {'stored':>6} {'impl':8} {'hit':>7} {'calls':>5} {'keys':>7} {'ms':>8} {'vs oneshot':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['scenario']:8} {r['fraction']:6.0%} {r['impl']:8} {r['hit']:7d} {r['calls']:5d} "
+                     f"{r['keys']:7d} {r['ms']:8.2f} {r['ratio_vs_oneshot']:10.3f}")
+    return "\n".join(lines)
+
+
+def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """Issue 10's two targets for rounds, each 'met' or 'NOT met' with the figures."""
+    def row(sname: str, fraction: float, impl: str) -> Optional[Dict[str, Any]]:
+        return next((r for r in rows if r["scenario"] == sname and r["fraction"] == fraction
+                     and r["impl"] == impl), None)
+
+    out = []
+    miss = row("a", 0.0, "rounds")
+    if miss is not None:
+        one = row("a", 0.0, "oneshot")
+        verdict = "met" if miss["ms"] <= MISS_MS_TARGET else "NOT met"
+        out.append(f"target rounds at a 0% hit on a <= {MISS_MS_TARGET:g} ms: {miss['ms']:.2f} ms "
+                   f"({miss['keys']} keys, {miss['calls']} call; one-shot {one['ms']:.2f} ms), {verdict}")
+    for sname in sorted({r["scenario"] for r in rows}):
+        full = row(sname, 1.0, "rounds")
+        if full is not None:
+            verdict = "met" if full["ratio_vs_oneshot"] <= FULL_HIT_RATIO_TARGET else "NOT met"
+            out.append(f"target rounds at a full hit on {sname} <= {FULL_HIT_RATIO_TARGET:g}x one-shot: "
+                       f"{full['ratio_vs_oneshot']:.3f}x ({full['calls']} calls), {verdict}")
+    return out
+
+
+def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
+    """Lookup time against the stored fraction, one panel per scenario; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import os
+
+    names = sorted({r["scenario"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), dpi=110, squeeze=False)
+    styles = {"oneshot": ("o-", "mooncake_keys one-shot"), "rounds": ("s-", "mooncake_keys rounds"),
+              "vllm": ("D--", "vLLM 0.33 (its own lookup)")}
+    for ax, sname in zip(axes[0], names):
+        for impl, (style, label) in styles.items():
+            pts = [(r["fraction"] * 100, r["ms"]) for r in rows if r["scenario"] == sname and r["impl"] == impl]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
+        keys = max(r["keys"] for r in rows if r["scenario"] == sname)
+        ax.set_title(f"scenario {sname} ({keys} keys one-shot)", fontsize=9)
+        ax.set_xlabel("prefix stored (%)")
+        ax.set_ylabel("ms per lookup (median)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Lookups on a real mooncake_master (loopback), one run side by side", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

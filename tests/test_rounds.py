@@ -1,0 +1,197 @@
+"""Asking in rounds gives exactly the one-shot answer: random deployments, random stores (prefixes,
+holes, random chunks), both contracts, both cores; and it asks no more keys than one shot."""
+
+from __future__ import annotations
+
+import os
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mooncake_keys as mk
+
+F, S, G = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.KVCacheGroup
+SETTINGS = settings(max_examples=int(os.environ.get("MK_EXAMPLES", "300")), deadline=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+class SetStore:
+    def __init__(self, present):
+        self.present = present
+        self.calls = 0
+        self.keys = 0
+
+    def batch_is_exist(self, keys):
+        self.calls += 1
+        self.keys += len(keys)
+        return [1 if k in self.present else 0 for k in keys]
+
+
+@st.composite
+def deployments(draw):
+    v033 = draw(st.booleans())
+    hbs = draw(st.sampled_from([8, 16]))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    layout = mk.ParallelLayout(tp_size=tp, pp_size=draw(st.sampled_from([1, 2])), num_kv_heads=draw(st.sampled_from([1, 2, 4])))
+    n = draw(st.integers(1, 3))
+    groups = []
+    for _ in range(n):
+        bs = hbs * draw(st.sampled_from([1, 2, 4]))
+        spec = F(bs) if draw(st.booleans()) else S(bs, draw(st.integers(1, 4 * bs)))
+        cacheable = not v033 or not groups or draw(st.integers(0, 9)) > 0
+        groups.append(G(spec, is_eagle_group=draw(st.integers(0, 5)) == 0, prefix_cacheable=cacheable))
+    return dict(groups=groups, layout=layout, hash_block_size=hbs, use_eagle=draw(st.booleans()),
+                vllm_compat="0.33" if v033 else "0.25")
+
+
+@st.composite
+def cases(draw):
+    dep = draw(deployments())
+    probe = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    sbs = probe.scheduler_block_size
+    n_hashes = draw(st.integers(0, 48))
+    tokens = draw(st.integers(0, n_hashes + 2)) * dep["hash_block_size"]
+    if dep["vllm_compat"] == "0.25":
+        tokens -= tokens % sbs
+    else:
+        tokens += draw(st.sampled_from([0, 0, 1]))
+    return dep, n_hashes, tokens, draw(st.integers(0, 2**32)), draw(st.sampled_from(["prefix", "holes", "random", "all"]))
+
+
+def store_for(engine, hashes, kind, seed):
+    """Keys of a stored prefix with holes, or random keys, of every group and namespace."""
+    rng = random.Random(seed)
+    keys = engine.candidate_keys(len(hashes) * engine.hash_block_size // engine.scheduler_block_size
+                                 * engine.scheduler_block_size or 0, hashes) if hashes else []
+    if kind == "all":
+        return set(keys)
+    if kind == "random":
+        return {k for k in keys if rng.random() < 0.7}
+    cut = rng.randrange(len(keys) + 1)
+    kept = keys[:cut]
+    if kind == "holes":
+        kept = [k for k in kept if rng.random() > 0.05]
+    return set(kept)
+
+
+@SETTINGS
+@given(case=cases())
+def test_rounds_answer_as_one_shot(impl, case):
+    dep, n_hashes, tokens, seed, kind = case
+    rng = random.Random(seed)
+    hashes = [rng.randbytes(16) for _ in range(n_hashes)]
+    builder = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    present = store_for(builder, hashes, kind, seed)
+    one, rounds = SetStore(present), SetStore(present)
+    skip = rng.choice([0, 0, rng.randrange(tokens + 1)]) if tokens > 0 else 0
+    a = mk.LookupEngine("m", store=one, strategy="oneshot", **dep).lookup_result(tokens, hashes, skip_tokens=skip)
+    b = mk.LookupEngine("m", store=rounds, strategy="rounds", rounds_min_keys=0, **dep).lookup_result(tokens, hashes, skip_tokens=skip)
+    assert a == b
+    assert rounds.keys <= one.keys
+
+
+@SETTINGS
+@given(case=cases(), data=st.data())
+def test_hit_grows_with_presence_where_the_coordinator_says_so(impl, case, data):
+    """The theorem rounds rely on: where hit_is_monotone, one more present chunk never
+    shortens the hit (checked on the engine's own hit function, re-derivation included)."""
+    dep, n_hashes, tokens, seed, _ = case
+    e = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    d = e.deployment
+    aligned = d.coordinator.align(tokens)
+    if not d.coordinator.hit_is_monotone or aligned <= 0 or n_hashes == 0:
+        return
+    plan = d._plan(aligned, n_hashes, 0)
+    rng = random.Random(seed)
+    presence = []
+    for p in plan.groups:
+        b = bytearray(p.num_chunks)
+        density = rng.random()
+        for j in p.presumed:
+            b[j] = 1
+        for j in p.asked:
+            b[j] = rng.random() < density
+        presence.append(b)
+    absent = [(g, j) for g, p in enumerate(plan.groups) for j in p.asked if not presence[g][j]]
+    if not absent:
+        return
+    before = e._hit(tokens, n_hashes, plan, presence)
+    g, j = data.draw(st.sampled_from(absent))
+    presence[g][j] = 1
+    assert e._hit(tokens, n_hashes, plan, presence) >= before
+
+
+def test_where_the_hit_is_not_monotone_rounds_ask_one_shot(impl):
+    """Two sliding-window groups with EAGLE: fewer chunks present can give a longer hit, so
+    no early stop is exact; the engine asks one-shot (found by the property test above)."""
+    dep = dict(groups=[G(S(32, 2)), G(S(64, 1)), G(S(16, 34))], hash_block_size=16, use_eagle=True,
+               layout=mk.ParallelLayout(tp_size=1, pp_size=2, num_kv_heads=1))
+    rng = random.Random(214)
+    hashes = [rng.randbytes(16) for _ in range(32)]
+    e = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    assert not e.deployment.coordinator.hit_is_monotone
+    present = store_for(e, hashes, "holes", 214)
+    one, rounds = SetStore(present), SetStore(present)
+    a = mk.LookupEngine("m", store=one, strategy="oneshot", **dep).lookup_result(384, hashes)
+    r = mk.LookupEngine("m", store=rounds, strategy="rounds", rounds_min_keys=0, **dep)
+    assert r.strategy == "oneshot"
+    assert r.lookup_result(384, hashes) == a and a.hit_length == 128
+    assert (rounds.calls, rounds.keys) == (one.calls, one.keys)
+    # The same store plus chunks 9-12 of group 2 (16-token chunks: hashes 9-12) hits nothing.
+    more = {k for k in e.candidate_keys(512, hashes)
+            if "@group:2@" in k and k.rsplit("@", 1)[1] in {h.hex() for h in hashes[9:13]}}
+    assert not more & present
+    assert mk.LookupEngine("m", store=SetStore(present | more), **dep).lookup(384, hashes) == 0
+
+
+def test_a_miss_costs_one_small_round(impl):
+    store = SetStore(set())
+    e = mk.LookupEngine("m", [F(64)], mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8), hash_block_size=64,
+                        store=store, strategy="rounds", rounds_min_keys=0)
+    hashes = [bytes([i % 256, i // 256]) * 16 for i in range(2048)]
+    assert e.lookup(2048 * 64, hashes) == 0
+    assert (store.calls, store.keys) == (1, 8 * 8)  # the first 8 chunks in every namespace
+
+
+def test_a_store_fault_in_any_round_answers_zero(impl, caplog):
+    class FailsSecond(SetStore):
+        def batch_is_exist(self, keys):
+            if self.calls == 1:
+                self.calls += 1
+                raise ConnectionError("gone")
+            return super().batch_is_exist(keys)
+
+    hashes = [bytes([i]) * 16 for i in range(64)]
+    builder = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()))
+    store = FailsSecond(set(builder.candidate_keys(64 * 16, hashes)))
+    e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=store, strategy="rounds", rounds_min_keys=0)
+    assert e.lookup(64 * 16 + 1, hashes) == 0
+    assert e.stats().store_failures == 1 and "ConnectionError" in caplog.text
+
+
+def test_rounds_are_the_default_but_short_lookups_ask_one_shot(impl):
+    hashes = [bytes([i % 256, i // 256]) * 8 for i in range(300)]
+    e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=4, num_kv_heads=4), hash_block_size=16,
+                        store=SetStore(set()))
+    assert e.strategy == "rounds" and e.rounds_min_keys == mk.lookup.rounds.MIN_KEYS == 2048
+    e.store = small = SetStore(set())
+    assert e.lookup(256 * 16, hashes) == 0  # 256 chunks x 4 namespaces = 1,024 keys: one-shot
+    assert (small.calls, small.keys) == (1, 1024)
+    e.store = big = SetStore(set())
+    assert e.lookup(300 * 16, hashes) == 0 and big.calls == 1
+    assert e.lookup(300 * 16, hashes) == 0  # 1,200 keys: still one-shot
+    e.rounds_min_keys = 1200
+    e.store = big = SetStore(set())
+    assert e.lookup(300 * 16, hashes) == 0 and (big.calls, big.keys) == (1, 8 * 4)
+
+
+def test_strategy_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()), strategy="x")
+    with pytest.raises(ValueError, match="rounds_min_keys must be >= 0"):
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()), rounds_min_keys=-1)
+    with pytest.raises(TypeError, match="rounds_min_keys must be an int"):
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()), rounds_min_keys=1.5)
