@@ -150,7 +150,7 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
             store = DictStore(codes)
             eng = mk.LookupEngine(case["model"], case["groups"], case["layout"], hash_block_size=case["hbs"],
                                   use_eagle=case["use_eagle"], cache_prefix=case["cache_prefix"], store=store,
-                                  key_cache_bytes=cache, core=impl)
+                                  key_cache_bytes=cache, core=impl, strategy="oneshot")
             hits = []
             for _ in range(3):  # first sight, second sight (admitted), memoised
                 try:

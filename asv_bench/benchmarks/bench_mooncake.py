@@ -1,5 +1,6 @@
-"""End to end: standard scenario (a) (16,384 keys per lookup) against a real ``mooncake_master``
-on 127.0.0.1, 75 % of the prefix stored.
+"""End to end against a real ``mooncake_master`` on 127.0.0.1: standard scenario (a) (16,384 keys
+per lookup) with 75 % of the prefix stored (``MooncakeLookup``), and scenarios a, b, d by
+fraction of the prefix stored, one-shot / rounds / vLLM 0.33 (``MasterHitFraction``).
 
 Skipped (NotImplementedError in ``setup``, reason printed) when ``mooncake`` cannot be imported,
 when mooncake_keys has no ``LocalMaster`` / ``MooncakeStore`` (package attributes, or the modules
@@ -18,7 +19,7 @@ import sys
 import time
 
 from mooncake_keys.bench.scenarios import (DEFAULT_KEY_CACHE_BYTES, STANDARD, BenchState, Bench, StubStore, build_impl, make_request,
-                     membership_answer)
+                                           membership_answer, memo)
 
 _ENV = {}
 
@@ -156,3 +157,63 @@ class MooncakeLookup(BenchState):
         return best["stub"] / best["real"]
 
     track_client_share.unit = "fraction"
+
+
+_SESSION = {}
+
+
+def _session():
+    """One master session per benchmark process (see ``mooncake_keys.bench.on_master``)."""
+    if _SESSION.get("error"):
+        _skip(_SESSION["error"])
+    if "session" not in _SESSION:
+        _classes()
+        from mooncake_keys.bench.on_master import MasterSession
+
+        try:
+            _SESSION["session"] = MasterSession().__enter__()
+        except Exception as exc:  # the master did not start, or a client could not connect
+            _SESSION["error"] = f"mooncake_master / client not usable ({type(exc).__name__}: {exc})"
+            _skip(_SESSION["error"])
+        atexit.register(_SESSION["session"].close)
+    return _SESSION["session"]
+
+
+class MasterHitFraction:
+    """A lookup on a real master by fraction of the prefix stored (docs/benchmarks.md): the
+    engine one-shot (vLLM's way of asking), in rounds (the default), and vLLM 0.33's own lookup
+    (skipped where vLLM 0.33 is not installed). ``track_keys`` / ``track_calls``: what one lookup
+    sends. Engines run without a key cache (each lookup builds its keys)."""
+
+    params = [["a", "b", "d"], [0.0, 0.1, 0.5, 0.9, 1.0], ["oneshot", "rounds", "vllm"]]
+    param_names = ["scenario", "stored", "impl"]
+    repeat = (3, 15, 10.0)
+    timeout = 300
+
+    def setup(self, scenario, stored, impl):
+        from mooncake_keys.bench.on_master import available_impls
+
+        if impl not in available_impls():
+            _skip("vLLM 0.33 is not installed (bash scripts/dev.sh bench runs in a vLLM 0.33 venv)")
+        session = _session()
+        self.req = session.stored_request(scenario, stored)
+        self.runner = memo(("MasterHitFraction", scenario, impl), lambda: session.runner(impl, scenario))
+        self.runner.lookup(self.req)
+
+    def time_lookup(self, scenario, stored, impl):
+        self.runner.lookup(self.req)
+
+    def _count(self, attr):
+        c = self.runner.counter
+        before = getattr(c, attr)
+        self.runner.lookup(self.req)
+        return getattr(c, attr) - before
+
+    def track_keys(self, scenario, stored, impl):
+        return self._count("keys")
+
+    def track_calls(self, scenario, stored, impl):
+        return self._count("calls")
+
+    track_keys.unit = "keys"
+    track_calls.unit = "calls"

@@ -28,8 +28,8 @@ import mooncake_keys as mk
 
 from . import scenarios as common
 
-__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "CountingStore", "run_on_master", "format_table",
-           "check_targets", "plot"]
+__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "CountingStore", "MasterSession", "available_impls",
+           "run_on_master", "format_table", "check_targets", "plot"]
 
 #: Fractions of the prefix stored.
 HIT_FRACTIONS = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -97,6 +97,72 @@ def _stored_tokens(sc: common.Scenario, fraction: float) -> int:
     return int(sc.token_len * fraction) // sbs * sbs
 
 
+class MasterSession:
+    """A master (started here unless an address is given), a client holding the stored prefixes
+    and a lookup-only client that the implementations ask. Use as a context manager."""
+
+    def __init__(self, master_address: Optional[str] = None) -> None:
+        self.master_address = master_address
+        self.master: Any = None
+        self.holder: Any = None
+        self.looker: Any = None
+        self._value: Any = None
+        self._ptr = 0
+        self._stored: Dict[tuple, common.Request] = {}
+
+    def __enter__(self) -> "MasterSession":
+        from ..store.local_master import LocalMaster
+        from ..store.mooncake import MooncakeStore
+
+        try:
+            if self.master_address is None:
+                self.master = LocalMaster().start()
+                self.master_address = self.master.master_address
+            self.holder = MooncakeStore.connect(self.master_address, global_segment_size=512 << 20)
+            self.looker = MooncakeStore.connect(self.master_address, lookup_only=True)
+            self._value = ctypes.create_string_buffer(4096)
+            self._ptr = ctypes.addressof(self._value)
+            if self.holder.register_buffer(self._ptr, len(self._value)) != 0:
+                raise RuntimeError("register_buffer failed")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for store in (self.looker, self.holder):
+            if store is not None:
+                store.close()
+        self.looker = self.holder = None
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+
+    def stored_request(self, sname: str, fraction: float) -> common.Request:
+        """The request of (scenario, fraction), its first ``fraction`` of the prefix stored
+        (every group, every namespace); stored once per session."""
+        key = (sname, fraction)
+        if key not in self._stored:
+            sc = common.STANDARD[sname]
+            req = _fraction_request(sc, fraction)
+            _store_prefix(self.holder, common._keys_of(sc, req, _stored_tokens(sc, fraction)), self._ptr, 64)
+            self._stored[key] = req
+        return self._stored[key]
+
+    def runner(self, impl: str, sname: str) -> "_Runner":
+        return _Runner(impl, common.STANDARD[sname], self.looker)
+
+
+def available_impls() -> List[str]:
+    """``IMPLS`` without ``vllm`` where vLLM 0.33 is not installed."""
+    from ..bench.vllm_baseline import unavailable
+
+    return [i for i in IMPLS if i != "vllm" or unavailable() is None]
+
+
 def run_on_master(*, scenarios: str = SCENARIOS, fractions: Sequence[float] = HIT_FRACTIONS, repeat: int = 15,
                   master_address: Optional[str] = None, progress: Progress = None) -> List[Dict[str, Any]]:
     """Measure; one row per (scenario, fraction, impl) with ``keys`` and ``calls`` per lookup,
@@ -105,41 +171,17 @@ def run_on_master(*, scenarios: str = SCENARIOS, fractions: Sequence[float] = HI
     Starts a :class:`LocalMaster` unless ``master_address`` is given (then the prefixes are
     stored there too). Raises RuntimeError when implementations disagree on a hit.
     """
-    from ..bench.vllm_baseline import unavailable
-    from ..store.local_master import LocalMaster
-    from ..store.mooncake import MooncakeStore
-
-    impls = [i for i in IMPLS if i != "vllm" or unavailable() is None]
-    master = None
-    holder = looker = None
+    impls = available_impls()
     rows: List[Dict[str, Any]] = []
-    try:
-        if master_address is None:
-            master = LocalMaster().start()
-            master_address = master.master_address
-        holder = MooncakeStore.connect(master_address, global_segment_size=512 << 20)
-        looker = MooncakeStore.connect(master_address, lookup_only=True)
-        value = ctypes.create_string_buffer(4096)
-        ptr = ctypes.addressof(value)
-        if holder.register_buffer(ptr, len(value)) != 0:
-            raise RuntimeError("register_buffer failed")
+    with MasterSession(master_address) as session:
         for sname in scenarios:
-            sc = common.STANDARD[sname]
-            runners = {impl: _Runner(impl, sc, looker) for impl in impls}
+            runners = {impl: session.runner(impl, sname) for impl in impls}
             for fraction in fractions:
-                req = _fraction_request(sc, fraction)
-                stored = _stored_tokens(sc, fraction)
-                _store_prefix(holder, common._keys_of(sc, req, stored), ptr, 64)
+                req = session.stored_request(sname, fraction)
+                stored = _stored_tokens(common.STANDARD[sname], fraction)
                 rows += _measure(sname, fraction, stored, req, runners, repeat)
                 if progress:
                     progress(f"scenario {sname}, {fraction:.0%} stored")
-        holder.unregister_buffer(ptr)
-    finally:
-        for store in (looker, holder):
-            if store is not None:
-                store.close()
-        if master is not None:
-            master.stop()
     return rows
 
 

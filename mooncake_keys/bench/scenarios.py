@@ -8,7 +8,7 @@ Vocabulary (sizes in tokens unless said otherwise):
   request shape (number of hashes, hash length) and the fraction of the prefix that is stored;
 * a *request* is one seeded blob of hashes, as vLLM's lookup server receives it (#45969);
 * an *impl* is one of ``IMPLS``: ``"c"`` / ``"py"`` = ``mooncake_keys.LookupEngine`` on the
-  compiled / pure-Python core, ``"seed"`` / ``"pre"`` = the vLLM re-expressions in ``baselines``,
+  compiled / pure-Python core, asking one-shot as vLLM does (the stub answers whole key lists), ``"seed"`` / ``"pre"`` = the vLLM re-expressions in ``baselines``,
   ``"vllm"`` = the installed vLLM 0.33's own lookup (``vllm_baseline``; absent without vLLM);
 * *cold* = every lookup is a request the engine has never seen: a fresh seeded request, made
   before the timed call (asv re-runs ``setup`` before every sample, and that is where it is
@@ -240,9 +240,12 @@ class Impl:
         self.store = store
         self.vllm = None
         if impl in ("c", "py"):
+            # One-shot, as vLLM asks: the stub answers the whole key list (rounds are measured
+            # on a real master, in .on_master).
             self.engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
                                           hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                                          store=store, key_cache_bytes=key_cache_bytes, core=impl)
+                                          store=store, key_cache_bytes=key_cache_bytes, core=impl,
+                                          strategy="oneshot")
             self.baseline = None
         elif impl == "vllm":
             from .vllm_baseline import VllmLookup

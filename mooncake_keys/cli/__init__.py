@@ -27,7 +27,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench = sub.add_parser("bench", help="the standard scenarios, side by side with vLLM's approaches")
     bench.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats per case (min is kept)")
     bench.add_argument("--quick", action="store_true", help="one short round: a smoke run (about 10 s)")
-    bench.add_argument("--plot", default="docs/ns_per_key.png", help="where to write the PNG plot")
+    bench.add_argument("--plot", default="docs/ns_per_key.png", help="where to write the client-side PNG plot")
+    bench.add_argument("--no-master", action="store_true", help="skip the lookups on a real mooncake_master")
+    bench.add_argument("--master-plot", default="docs/master_hit_fraction.png",
+                       help="where to write the real-master PNG plot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
@@ -38,6 +41,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0
     from .bench import run_bench
 
-    return run_bench(repeat=1 if args.quick else args.repeat, plot_path=args.plot)
+    return run_bench(repeat=1 if args.quick else args.repeat, plot_path=args.plot, master=not args.no_master,
+                     master_plot=args.master_plot, quick=args.quick)
 
 

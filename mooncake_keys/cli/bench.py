@@ -5,7 +5,10 @@ installed wheel: ``vllm`` is the installed vLLM 0.33's real lookup (left out, wi
 where vLLM 0.33 is not installed; ``bash scripts/dev.sh bench`` runs in a vLLM 0.33 venv),
 ``seed`` vLLM PR #46188 and ``pre`` the code before it (re-expressed). It prints a table (ns
 per key, lookups/s, ratios), the geometric means over the standard scenarios against the
-targets, and writes a PNG plot of ns per key against keys per lookup.
+targets, and writes a PNG plot of ns per key against keys per lookup. Then, where the Mooncake
+client and ``mooncake_master`` are installed, lookups on a real master on loopback by fraction of
+the prefix stored (``mooncake_keys.bench.on_master``: one-shot, rounds, vLLM 0.33), with the
+rounds targets and a second plot.
 """
 
 from __future__ import annotations
@@ -96,6 +99,50 @@ def sweep(repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
     return out
 
 
+#: Hashes per lookup of the scaling check, x 8 namespaces: ~10k, ~131k and ~1M keys.
+SCALING_HASHES = (1280, 16384, 131072)
+#: Issue 10's scaling target: ns per key at ~1M keys at most this many times that at ~10k.
+SCALING_TARGET = 2.0
+
+
+def scaling(repeat: int, bar: _Bar) -> List[Dict[str, Any]]:
+    """The compiled core's ns per key, cold and warm, at ~10k, ~131k and ~1M keys (Full(64),
+    8 namespaces), each after the allocator has settled (``scenarios.burn_in``); the median
+    of ``repeat`` rounds, cold and warm interleaved."""
+    rows = []
+    impl = "c" if _core._core_c is not None else "py"
+    for n in SCALING_HASHES:
+        sc = common.grid_scenario(n, 8, "full", 32)
+        b = common.lookup_bench(impl, sc)
+        common.prime(b, b.impl.lookup)
+        common.burn_in(b, b.impl.lookup)
+        keys = len(b.answer)
+        batch = max(1, min(20, 200_000 // keys))
+        samples: Dict[str, List[float]] = {"cold": [], "warm": []}
+        for _ in range(repeat):
+            fresh = [b.fresh_request() for _ in range(batch)]
+            samples["cold"].append(sidebyside._sample_ns(b.impl, fresh, cold=True)[0] / batch / keys)
+            samples["warm"].append(sidebyside._sample_ns(b.impl, [b.pool[0]] * batch, cold=False)[0] / batch / keys)
+        med = {m: sorted(v)[len(v) // 2] for m, v in samples.items()}
+        rows.append(dict(impl=impl, keys=keys, cold=med["cold"], warm=med["warm"]))
+        bar.step(f"scaling: {keys} keys per lookup")
+    return rows
+
+
+def scaling_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    lines = [f"{r['impl']} {r['keys']:8d} keys: cold {r['cold']:6.1f} ns/key, warm {r['warm']:6.1f} ns/key "
+             f"(warm/cold {r['warm'] / r['cold']:.2f})" for r in rows]
+    small, big = rows[0], rows[-1]
+    growth = big["cold"] / small["cold"]
+    lines.append(f"target ns/key at {big['keys']} keys <= {SCALING_TARGET:g}x at {small['keys']} (cold): "
+                 f"{growth:.2f}x, {'met' if growth <= SCALING_TARGET else 'NOT met'}")
+    worst = max(r["warm"] / r["cold"] for r in rows)
+    lines.append(f"target warm never slower than cold: worst warm/cold {worst:.2f} "
+                 f"({'met' if worst <= 1.05 else 'NOT met'}; within 5 % counts as equal: a request too "
+                 f"large for the key cache is not admitted, so warm repeats the cold work)")
+    return lines
+
+
 def plot(points: Dict[str, List[tuple]], path: str) -> Optional[str]:
     try:
         import matplotlib
@@ -125,7 +172,48 @@ def plot(points: Dict[str, List[tuple]], path: str) -> Optional[str]:
     return path
 
 
-def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png", out=print) -> int:
+def master_unavailable() -> Optional[str]:
+    """Why the real-master section cannot run here, or None when it can."""
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing system library
+        return f"the Mooncake client cannot be imported ({type(exc).__name__}: {exc}); pip install 'mooncake-keys[mooncake]'"
+    from ..store.local_master import LocalMasterError, find_master_executable
+
+    try:
+        find_master_executable()
+    except LocalMasterError as exc:
+        return str(exc)
+    return None
+
+
+def run_master_section(repeat: int, plot_path: Optional[str], quick: bool, out=print) -> None:
+    """Lookups on a real mooncake_master by hit fraction: one-shot, rounds and vLLM 0.33."""
+    from ..bench import on_master
+
+    missing = master_unavailable()
+    if missing:
+        out(f"note: no real-master section in this run: {missing}")
+        return
+    scenarios, fractions = ("a", (0.0, 1.0)) if quick else (on_master.SCENARIOS, on_master.HIT_FRACTIONS)
+    out(f"\nreal mooncake_master on loopback: scenarios {', '.join(scenarios)}, prefix stored "
+        f"{', '.join(f'{f:.0%}' for f in fractions)}; median of {repeat} interleaved lookups each")
+    bar = _Bar(len(scenarios) * len(fractions))
+    t0 = time.perf_counter()
+    rows = on_master.run_on_master(scenarios=scenarios, fractions=fractions, repeat=repeat, progress=bar.step)
+    bar.close()
+    out(on_master.format_table(rows))
+    for line in on_master.check_targets(rows):
+        out(line)
+    if plot_path:
+        written = on_master.plot(rows, plot_path)
+        out(f"plot: {written}" if written else "plot: matplotlib is not installed (pip install matplotlib)")
+    out(f"({time.perf_counter() - t0:.1f} s)")
+
+
+def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png", out=print, *,
+              master: bool = True, master_plot: Optional[str] = "docs/master_hit_fraction.png",
+              quick: bool = False) -> int:
     from ..bench.vllm_baseline import unavailable
 
     out(f"core: {'compiled' if _core.ACCELERATED else 'pure Python'}; stub store (client-side work only); "
@@ -133,10 +221,11 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png",
     missing = unavailable()
     if missing:
         out(f"note: no vLLM 0.33 baseline in this run: {missing}")
-    bar = _Bar(len(common.STANDARD) * (repeat + 1) + len(SWEEP_HASHES))
+    bar = _Bar(len(common.STANDARD) * (repeat + 1) + len(SWEEP_HASHES) + len(SCALING_HASHES))
     t0 = time.perf_counter()
     rows = sidebyside.run_standard(repeat=repeat, progress=bar.step)
     points = sweep(max(2, repeat // 2), bar)
+    scale = scaling(max(3, repeat), bar)
     bar.close()
     out(sidebyside.format_table(rows))
     out("ratios: this implementation's time / the baseline's (below 1 is faster)")
@@ -144,8 +233,13 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png",
         out(line)
     out("cold ns per key by keys per lookup: " + "; ".join(
         f"{impl} " + ", ".join(f"{k}:{v:.0f}" for k, v in pts) for impl, pts in points.items() if pts))
+    out("scaling (client side, stub store):")
+    for line in scaling_lines(scale):
+        out("  " + line)
     if plot_path:
         written = plot(points, plot_path)
         out(f"plot: {written}" if written else "plot: matplotlib is not installed (pip install matplotlib)")
     out(f"({time.perf_counter() - t0:.1f} s)")
+    if master:
+        run_master_section(max(3, 3 * repeat), master_plot, quick, out)
     return 0
