@@ -53,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
 
 from ._checks import int_arg
 from .lookup.contract import DEFAULT_VLLM_COMPAT
-from .lookup.deployment import Deployment, GroupLike
+from .lookup.deployment import Deployment, DeploymentViews, GroupLike
 from .lookup.hashes import BlockHashes, as_block_hashes
 from .lookup.layout import Namespace, ParallelLayout
 from .lookup.specs import KVCacheGroup, SlidingWindowSpec
@@ -216,7 +216,7 @@ def _is_sequence(x: Any) -> bool:
     return not isinstance(x, (str, bytes, bytearray)) and hasattr(x, "__len__") and hasattr(x, "__getitem__")
 
 
-class KVPool:
+class KVPool(DeploymentViews):
     """Saves and loads the KV-cache blocks of the rank ``rank = (tp, pcp, dcp, pp)``.
 
     ``model_name``, ``groups``, ``layout``, ``hash_block_size``, ``scheduler_block_size``,
@@ -287,14 +287,6 @@ class KVPool:
                     "(is that memory already registered with this store, e.g. by another KVPool?)"
                 )
             self._registered.append(ptr)
-
-    @property
-    def hash_block_size(self) -> int:
-        return self.deployment.hash_block_size
-
-    @property
-    def scheduler_block_size(self) -> int:
-        return self.deployment.scheduler_block_size
 
     @property
     def namespace(self) -> Namespace:

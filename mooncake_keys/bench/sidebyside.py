@@ -107,12 +107,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
             hits[impl] = [runner.lookup(first) for _ in range(2)][-1]
         if len(set(hits.values())) != 1:
             raise RuntimeError(f"scenario {sname}: implementations disagree on the hit: {hits}")
-        # Batch sizes from one warm calibration lookup each (a cold lookup is slower: fewer calls).
-        batch: Dict[tuple, int] = {}
-        for mode in modes:
-            for impl, runner in runners.items():
-                t = _sample_ns(runner, [first], cold=False)[0]
-                batch[(mode, impl)] = max(1, min(max_batch, int(sample_ms * 1e6 / max(t, 1))))
+        batch = _batch_sizes(runners, first, modes, sample_ms, max_batch)
         n_cold = max((batch[("cold", i)] for i in impls), default=0) if "cold" in modes else 0
         if progress:
             progress(f"scenario {sname}: {keys} keys per lookup")
@@ -136,18 +131,38 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
                     samples[(mode, impl)].append((ns / n, flt / n))
             if progress:
                 progress(f"scenario {sname}: round {rnd + 1}/{repeat}")
-        median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
-        for mode in modes:
-            for impl in impls:
-                ns, flt = median[(mode, impl)]
-                base = {b: median[(mode, b)][0] if (mode, b) in median else None for b in ("seed", "pre", "vllm")}
-                rows.append(dict(
-                    scenario=sname, mode=mode, impl=impl, keys=keys,
-                    ns_per_lookup=ns, ns_per_key=ns / keys if keys else math.nan,
-                    lookups_per_s=1e9 / ns if ns else math.inf,
-                    **{f"ratio_vs_{b}": ns / t if t else None for b, t in base.items()},
-                    hit=hits[impl], faults_per_lookup=flt,
-                ))
+        rows += _rows(sname, keys, hits, samples, modes, impls)
+    return rows
+
+
+def _batch_sizes(runners: Dict[str, "common.Impl"], first: "common.Request", modes: Sequence[str],
+                 sample_ms: float, max_batch: int) -> Dict[tuple, int]:
+    """Lookups per timed sample, per (mode, impl), from one warm calibration lookup each (a cold
+    lookup is slower: fewer calls)."""
+    batch: Dict[tuple, int] = {}
+    for mode in modes:
+        for impl, runner in runners.items():
+            t = _sample_ns(runner, [first], cold=False)[0]
+            batch[(mode, impl)] = max(1, min(max_batch, int(sample_ms * 1e6 / max(t, 1))))
+    return batch
+
+
+def _rows(sname: str, keys: int, hits: Dict[str, int], samples: Dict[tuple, List[Tuple[float, float]]],
+          modes: Sequence[str], impls: Sequence[str]) -> List[Dict[str, Any]]:
+    """The table rows of one scenario: medians, and ratios to the baselines run."""
+    median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+    rows = []
+    for mode in modes:
+        for impl in impls:
+            ns, flt = median[(mode, impl)]
+            base = {b: median[(mode, b)][0] if (mode, b) in median else None for b in ("seed", "pre", "vllm")}
+            rows.append(dict(
+                scenario=sname, mode=mode, impl=impl, keys=keys,
+                ns_per_lookup=ns, ns_per_key=ns / keys if keys else math.nan,
+                lookups_per_s=1e9 / ns if ns else math.inf,
+                **{f"ratio_vs_{b}": ns / t if t else None for b, t in base.items()},
+                hit=hits[impl], faults_per_lookup=flt,
+            ))
     return rows
 
 

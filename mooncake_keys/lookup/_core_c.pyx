@@ -27,7 +27,7 @@ from cpython.long cimport PyLong_Check
 from cpython cimport array
 from libc.string cimport memcpy
 
-from ._core_py import _check_fill_args, _index_out_of_range
+from ._core_py import _check_fill_args, _check_reduce_args, _index_out_of_range
 
 
 cdef extern from *:
@@ -136,7 +136,7 @@ cdef bint _plain_args(object out, object pos, object heads, object blob, object 
     return hash_len > 0 and pos >= 0 and pos + len(index) * len(heads) <= len(out)
 
 
-def fill_keys(out, pos, heads, blob, hash_len, index):
+def fill_keys(out, pos, heads, blob, hash_len, index):  # long: C declarations up front; the loop is short
     """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return the position after them.
 
     See ``_core_py.fill_keys`` for the contract; this one is the same, compiled, and a slot
@@ -233,12 +233,7 @@ def reduce_presence(results, r):
 
     See ``_core_py.reduce_presence`` for the contract; this one is the same, compiled.
     """
-    if type(results) is not list:
-        raise TypeError(f"results must be a list, got {type(results).__name__}")
-    if type(r) is not int:
-        raise TypeError(f"r must be an int, got {type(r).__name__}")
-    if r <= 0:
-        raise ValueError(f"r must be > 0, got {r}")
+    _check_reduce_args(results, r)
     cdef list lst = <list>results
     cdef Py_ssize_t rr = r
     cdef Py_ssize_t total = PyList_GET_SIZE(lst)

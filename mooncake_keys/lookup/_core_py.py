@@ -99,18 +99,23 @@ def fill_keys(
     return end
 
 
-def reduce_presence(results: list, r: int) -> bytearray:
-    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all present, else 0.
-
-    ``results`` must be a list whose length is a multiple of ``r``; an item is present when it
-    is an ``int`` (bools included) equal to 1. No item's own ``__eq__`` is ever called.
-    """
+def _check_reduce_args(results: Any, r: Any) -> None:
+    """The argument checks of ``reduce_presence``, shared by both cores."""
     if type(results) is not list:
         raise TypeError(f"results must be a list, got {type(results).__name__}")
     if type(r) is not int:
         raise TypeError(f"r must be an int, got {type(r).__name__}")
     if r <= 0:
         raise ValueError(f"r must be > 0, got {r}")
+
+
+def reduce_presence(results: list, r: int) -> bytearray:
+    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all present, else 0.
+
+    ``results`` must be a list whose length is a multiple of ``r``; an item is present when it
+    is an ``int`` (bools included) equal to 1. No item's own ``__eq__`` is ever called.
+    """
+    _check_reduce_args(results, r)
     total = len(results)
     if total % r:
         raise ValueError(f"len(results) ({total}) is not a multiple of r ({r})")

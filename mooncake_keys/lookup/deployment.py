@@ -39,7 +39,7 @@ from .keys import KeyMetadata, PoolKey, key_head
 from .layout import Namespace, ParallelLayout
 from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
-__all__ = ["Deployment", "GroupPlan", "LookupPlan", "GroupLike"]
+__all__ = ["Deployment", "DeploymentViews", "GroupPlan", "LookupPlan", "GroupLike"]
 
 GroupLike = Union[KVCacheGroup, FullAttentionSpec, SlidingWindowSpec]
 
@@ -102,6 +102,39 @@ class LookupPlan:
             for j, f in zip(plan.asked, flags):
                 p[j] = f
         return p
+
+
+class DeploymentViews:
+    """Read-only views of ``self.deployment``, for the classes built on one (the engine, the KV
+    pool): sizes in tokens."""
+
+    deployment: "Deployment"
+
+    @property
+    def model_name(self) -> str:
+        return self.deployment.model_name
+
+    @property
+    def cache_prefix(self) -> str:
+        return self.deployment.cache_prefix
+
+    @property
+    def vllm_compat(self) -> str:
+        return self.deployment.contract.name
+
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per request hash."""
+        return self.deployment.hash_block_size
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens every hit (and, under vLLM 0.33, every lookup length) is a multiple of."""
+        return self.deployment.scheduler_block_size
+
+    @property
+    def coordinator(self) -> Any:
+        return self.deployment.coordinator
 
 
 def _check_unambiguous(model_name: str, cache_prefix: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg
 from .contract import DEFAULT_VLLM_COMPAT
-from .deployment import Deployment, GroupLike, LookupPlan
+from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
@@ -73,7 +73,7 @@ class LookupStats:
     hit_tokens: int
 
 
-class LookupEngine:
+class LookupEngine(DeploymentViews):
     """Prefix-cache lookups for one deployment (model, KV-cache groups, rank layout).
 
     Sizes are in tokens: ``hash_block_size`` tokens per request hash, group block sizes per
@@ -147,38 +147,14 @@ class LookupEngine:
         self._stats_lock = threading.Lock()
         self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
 
-    # Read-only views of the deployment, for callers and docs.
-    @property
-    def model_name(self) -> str:
-        return self.deployment.model_name
-
-    @property
-    def cache_prefix(self) -> str:
-        return self.deployment.cache_prefix
-
     @property
     def layout(self) -> ParallelLayout:
         return self.deployment.layout
 
     @property
     def groups(self) -> Tuple[Any, ...]:
+        """The groups as given (vLLM 0.33 drops the non-cacheable ones from the keys)."""
         return self.deployment.groups
-
-    @property
-    def vllm_compat(self) -> str:
-        return self.deployment.contract.name
-
-    @property
-    def hash_block_size(self) -> int:
-        return self.deployment.hash_block_size
-
-    @property
-    def scheduler_block_size(self) -> int:
-        return self.deployment.scheduler_block_size
-
-    @property
-    def coordinator(self) -> Any:
-        return self.deployment.coordinator
 
     @property
     def group_namespaces(self) -> Tuple[Tuple[Tuple[int, int, int, int], ...], ...]:

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, parse_size, set_client_env
 from .gate import CallGate, GateClosed
@@ -121,6 +121,23 @@ def _setup_failure(rc: int, elapsed_s: float, master: str, metadata_server: str,
         return f"no Mooncake master answers at {master!r}: is mooncake_master running and listening there?"
     return (f"the client could not start (protocol {protocol!r}, metadata server {metadata_server!r}): "
             "check them and the client's log (MC_LOG_LEVEL=WARNING)")
+
+
+def _client_memory(global_segment_size: int | str, local_buffer_size: int | str, protocol: str,
+                   lookup_only: bool) -> Tuple[int, int, str]:
+    """Checked (segment bytes, buffer bytes, protocol) of a client to set up."""
+    segment, buffer = parse_size(global_segment_size), parse_size(local_buffer_size)
+    if segment < 0 or buffer < 0:
+        raise ValueError(f"sizes must be >= 0, got global_segment_size {segment}, local_buffer_size {buffer}")
+    if 0 < segment < MIN_SEGMENT_SIZE:
+        raise ValueError(f"global_segment_size must be 0 or at least {MIN_SEGMENT_SIZE} (16 MiB), got {segment}")
+    if lookup_only:
+        return 0, 0, LOOKUP_ONLY_PROTOCOL  # a lookup-only client holds no memory (rpc_only crashes with some)
+    if protocol == LOOKUP_ONLY_PROTOCOL:
+        raise ValueError("protocol 'rpc_only' is what lookup_only=True uses: pass that instead")
+    if protocol not in _PROTOCOLS:
+        raise ValueError(f"protocol must be one of {_PROTOCOLS} (lowercase), got {protocol!r}")
+    return segment, buffer, protocol
 
 
 def _setup_client(master_address: str, *, metadata_server: str, local_hostname: str, segment: int,
@@ -229,18 +246,7 @@ class MooncakeStore:
         :func:`.config.set_client_env`).
         """
         parse_master_address(master_address)  # ValueError naming it: an empty one crashes setup()
-        segment, buffer = parse_size(global_segment_size), parse_size(local_buffer_size)
-        if segment < 0 or buffer < 0:
-            raise ValueError(f"sizes must be >= 0, got global_segment_size {segment}, local_buffer_size {buffer}")
-        if 0 < segment < MIN_SEGMENT_SIZE:
-            raise ValueError(f"global_segment_size must be 0 or at least {MIN_SEGMENT_SIZE} (16 MiB), got {segment}")
-        if lookup_only:
-            segment = buffer = 0  # a lookup-only client holds no memory (rpc_only crashes with some)
-            protocol = LOOKUP_ONLY_PROTOCOL
-        elif protocol == LOOKUP_ONLY_PROTOCOL:
-            raise ValueError("protocol 'rpc_only' is what lookup_only=True uses: pass that instead")
-        if protocol not in _PROTOCOLS:
-            raise ValueError(f"protocol must be one of {_PROTOCOLS} (lowercase), got {protocol!r}")
+        segment, buffer, protocol = _client_memory(global_segment_size, local_buffer_size, protocol, lookup_only)
         set_client_env(local_hostname, setup_retries, rpc_timeout_ms)
         _warn_about_listeners(protocol)
         setup = dict(metadata_server=metadata_server, local_hostname=local_hostname, segment=segment,

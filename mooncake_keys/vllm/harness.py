@@ -473,7 +473,7 @@ _GROUP_KEYS = {
 }
 
 
-def _make_spec(g: dict, c: dict, default_bs: int) -> Any:
+def _make_spec(g: dict, c: dict, default_bs: int) -> Any:  # long: one branch per spec type, the doc is the reference
     """A real vLLM ``KVCacheSpec`` from a group dict.
 
     ``type``: full | swa | mla | swa_mla | mamba | chunked_local | sink_full |
@@ -624,8 +624,12 @@ def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
     except Exception as e:  # pydantic ValidationError, ValueError, AssertionError...
         raise ConfigRejected("VllmConfig", e) from e
 
-    # What the engine core / worker do after KV-cache planning (see module doc):
     vllm_config.cache_config.block_size = worker_block_size
+    return vllm_config, _kv_cache_config(c, vllm_config, groups)
+
+
+def _kv_cache_config(c: dict, vllm_config: VllmConfig, groups: list) -> Any:
+    """What the engine core / worker do after KV-cache planning (see module doc)."""
     kv_kwargs2: dict[str, Any] = dict(num_blocks=c["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups)
     if IS_033:
         from vllm.v1.attention.backends.utils import record_kv_cache_layout
@@ -651,7 +655,7 @@ def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
         kv_cache_config.cache_hit_alignment_tokens = align
         vllm_config.cache_config.hash_block_size = hash_bs
         vllm_config.cache_config.cache_hit_alignment_tokens = align
-    return vllm_config, kv_cache_config
+    return kv_cache_config
 
 
 # ---------------------------------------------------------------------------
@@ -896,7 +900,7 @@ def _spec_summary(spec: Any) -> dict[str, Any]:
     return d
 
 
-def describe(worker: Any) -> dict[str, Any]:
+def describe(worker: Any) -> dict[str, Any]:  # long: a flat list of fields, one place to read them
     """The worker state that feeds ``lookup`` (for debugging / diffing)."""
     w = worker
     out: dict[str, Any] = {"vllm_version": VLLM_VERSION}
