@@ -224,8 +224,8 @@ class KVPool(DeploymentViews):
     :class:`~mooncake_keys.LookupEngine` (and are checked by the same code). ``kv_caches`` holds this rank's
     KV-cache tensor of each group (see the module docstring for the shape contract). ``store``
     needs ``register_buffer``, ``unregister_buffer``, ``batch_is_exist``, ``batch_put_from`` and
-    ``batch_get_into`` (a :class:`~mooncake_keys.memory_store.MemoryStore`, a
-    :class:`~mooncake_keys.mooncake_store.MooncakeStore`). The tensors' memory is registered
+    ``batch_get_into`` (a :class:`~mooncake_keys.store.memory.MemoryStore`, a
+    :class:`~mooncake_keys.store.mooncake.MooncakeStore`). The tensors' memory is registered
     with the store here and unregistered by :meth:`close` (or leaving a ``with`` block): always
     close a pool before its tensors are freed.
     """

@@ -2,10 +2,8 @@
 per lookup) with 75 % of the prefix stored (``MooncakeLookup``), and scenarios a, b, d by
 fraction of the prefix stored, one-shot / rounds / vLLM 0.33 (``MasterHitFraction``).
 
-Skipped (NotImplementedError in ``setup``, reason printed) when ``mooncake`` cannot be imported,
-when mooncake_keys has no ``LocalMaster`` / ``MooncakeStore`` (package attributes, or the modules
-``mooncake_keys.local_master`` / ``mooncake_keys.mooncake_store``), or when the master does not
-start. One master and one client per benchmark process, started on first use and stopped at
+Skipped (NotImplementedError in ``setup``, reason printed) when ``mooncake`` cannot be imported
+or when the master does not start. One master and one client per benchmark process, started on first use and stopped at
 exit. Modes: cold = keys built from scratch (the engine as users get it, its key cache and
 plan caches cleared before each lookup, as for a request it has never seen); warm = the key
 cache holds the request. ``track_client_share`` is the client-side share of a
@@ -34,17 +32,10 @@ def _classes():
         import mooncake.store  # noqa: F401
     except Exception as exc:  # ImportError, or a missing system library
         _skip(f"mooncake cannot be imported ({type(exc).__name__}: {exc})")
-    import mooncake_keys as mk
+    from mooncake_keys.store.local_master import LocalMaster
+    from mooncake_keys.store.mooncake import MooncakeStore
 
-    master_cls = getattr(mk, "LocalMaster", None)
-    store_cls = getattr(mk, "MooncakeStore", None)
-    if master_cls is None or store_cls is None:
-        try:
-            from mooncake_keys.store.local_master import LocalMaster as master_cls
-            from mooncake_keys.store.mooncake import MooncakeStore as store_cls
-        except ImportError as exc:
-            _skip(f"mooncake_keys.LocalMaster / mooncake_keys.MooncakeStore do not exist yet ({exc})")
-    return master_cls, store_cls
+    return LocalMaster, MooncakeStore
 
 
 def _stop():

@@ -8,7 +8,8 @@ per key, lookups/s, ratios), the geometric means over the standard scenarios aga
 targets, and writes a PNG plot of ns per key against keys per lookup. Then, where the Mooncake
 client and ``mooncake_master`` are installed, lookups on a real master on loopback by fraction of
 the prefix stored (``mooncake_keys.bench.on_master``: one-shot, rounds, vLLM 0.33), with the
-rounds targets and a second plot.
+rounds targets and a second plot, and the in-scheduler lookup against vLLM's ZMQ hop to rank 0
+(``mooncake_keys.bench.in_scheduler``, where vLLM 0.33 is installed).
 """
 
 from __future__ import annotations
@@ -211,6 +212,23 @@ def run_master_section(repeat: int, plot_path: Optional[str], quick: bool, out=p
     out(f"({time.perf_counter() - t0:.1f} s)")
 
 
+def run_in_scheduler_section(repeat: int, out=print) -> None:
+    """The in-scheduler lookup against vLLM's ZMQ hop to rank 0 (needs vLLM 0.33 and Mooncake)."""
+    from ..bench.vllm_baseline import unavailable
+
+    missing = unavailable() or master_unavailable()
+    if missing:
+        out(f"note: no in-scheduler section in this run: {missing}")
+        return
+    from ..bench import in_scheduler
+
+    out("\nlookup in the scheduler vs vLLM's ZMQ hop to rank 0 (vLLM 0.33's own connectors, real master; "
+        f"median of {repeat} interleaved lookups, 75% of the prefix stored):")
+    t0 = time.perf_counter()
+    out(in_scheduler.format_rows(in_scheduler.run_in_scheduler(repeat=repeat)))
+    out(f"({time.perf_counter() - t0:.1f} s)")
+
+
 def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png", out=print, *,
               master: bool = True, master_plot: Optional[str] = "docs/master_hit_fraction.png",
               quick: bool = False) -> int:
@@ -242,4 +260,5 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png",
     out(f"({time.perf_counter() - t0:.1f} s)")
     if master:
         run_master_section(max(3, 3 * repeat), master_plot, quick, out)
+        run_in_scheduler_section(max(5, 10 * repeat), out)
     return 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 
 import pytest
 
@@ -77,27 +76,6 @@ def test_scheduler_answers_as_rank_0_does(deployment):
         assert asked >= 10
     finally:
         sched.client.close()
-
-
-def test_round_trip_saved(deployment):
-    """The same lookups in-process and over ZMQ to rank 0 (figures: docs/vllm.md)."""
-    _, worker = deployment
-    connector = F.build_scheduler_connector(CFG)
-    client = connector.connector_scheduler.client
-    try:
-        hashes = [bytes([i]) * 32 for i in range(64)]
-        times = {"in_process": [], "zmq": []}
-        for rnd in range(60):
-            for name, call in (("in_process", client.lookup), ("zmq", client.zmq.lookup)):
-                start = time.perf_counter()
-                call(f"{name}{rnd}", 64 * 16, hashes)
-                times[name].append(time.perf_counter() - start)
-        med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
-        print(f"\nlookup of 64 hashes (512 keys), median ms: in-process {med['in_process']:.3f}, "
-              f"over ZMQ to rank 0 {med['zmq']:.3f}")
-        assert med["in_process"] < med["zmq"]
-    finally:
-        client.close()
 
 
 def test_without_a_store_config_the_zmq_path_stays(deployment, monkeypatch, caplog):

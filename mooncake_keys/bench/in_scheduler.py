@@ -1,0 +1,108 @@
+"""The lookup in the scheduler against vLLM's ZMQ hop to rank 0, on a real master (vLLM 0.33).
+
+vLLM's scheduler asks rank 0 for every lookup over a ZMQ socket; with ``"lookup_in_scheduler":
+true`` the scheduler-side :class:`~mooncake_keys.vllm.FastMooncakeStoreConnector` answers
+in-process through its own lookup-only Mooncake client. This measures both paths side by side
+on one deployment built by vLLM's own code (``mooncake_keys.vllm.harness``: rank 0's worker with
+its real ZMQ lookup server, the scheduler connector built as the engine core builds it), a
+``LocalMaster`` and a stored prefix: median ms per lookup, interleaved, and the answers must
+agree. Needs vLLM 0.33 and the Mooncake client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Dict, List, Sequence
+
+__all__ = ["CFG", "run_in_scheduler", "format_rows"]
+
+#: The deployment: Full(16) + SWA(16, 32) on TP 2 x PP 2 (the tests' in-scheduler deployment).
+CFG: Dict[str, Any] = {
+    "kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+    "tp_size": 2, "pp_size": 2, "num_kv_heads": 2, "reuse_model_config": True, "lookup_server": True,
+    "groups": [{"type": "full", "block_size": 16}, {"type": "swa", "block_size": 16, "sliding_window": 32}],
+    "extra_config": {"lookup_in_scheduler": True, "lookup_rpc_port": 9},
+}
+
+
+def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) -> List[Dict[str, Any]]:
+    """One row per request size: ``hashes``, ``keys`` (one-shot keys), ``in_process_ms`` and
+    ``zmq_ms`` (medians of ``repeat`` interleaved lookups), ``hit`` (tokens)."""
+    from ..store.local_master import LocalMaster
+    from ..store.mooncake import MooncakeStore
+    from ..vllm import harness as F
+
+    F.quiet(logging.CRITICAL)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, LocalMaster(log_path=os.path.join(tmp, "master.log")) as master:
+        config = os.path.join(tmp, "mooncake.json")
+        with open(config, "w") as f:
+            json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": master.master_address,
+                       "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
+                       "local_buffer_size": 16 << 20}, f)
+        old = os.environ.get("MOONCAKE_CONFIG_PATH")
+        os.environ["MOONCAKE_CONFIG_PATH"] = config
+        holder = MooncakeStore.connect(master.master_address, global_segment_size=256 << 20)
+        worker = client = None
+        try:
+            worker = F.build_worker(CFG, holder)
+            client = F.build_scheduler_connector(CFG).connector_scheduler.client
+            for n in hash_counts:
+                rows.append(_measure(worker, client, holder, n, repeat))
+        finally:
+            if client is not None:
+                client.close()
+            if worker is not None:
+                F.release(worker)
+            holder.close()
+            if old is None:
+                os.environ.pop("MOONCAKE_CONFIG_PATH", None)
+            else:
+                os.environ["MOONCAKE_CONFIG_PATH"] = old
+    return rows
+
+
+def _measure(worker: Any, client: Any, holder: Any, n: int, repeat: int) -> Dict[str, Any]:
+    """Three quarters of the prefix stored (every group and namespace: rank 0's own keys)."""
+    import ctypes
+
+    hashes = [n.to_bytes(4, "little") + i.to_bytes(4, "little") * 7 for i in range(n)]
+    engine = worker.lookup.engine
+    keys = engine.candidate_keys(n * 16, hashes)
+    stored = engine.candidate_keys(n * 16 * 3 // 4, hashes)
+    buf = ctypes.create_string_buffer(64)
+    ptr = ctypes.addressof(buf)
+    holder.register_buffer(ptr, 64)
+    try:
+        for i in range(0, len(stored), 4096):
+            part = stored[i:i + 4096]
+            holder.batch_put_from(part, [ptr] * len(part), [64] * len(part))
+    finally:
+        holder.unregister_buffer(ptr)
+    times: Dict[str, List[float]] = {"in_process": [], "zmq": []}
+    answers = set()
+    for rnd in range(repeat):
+        for name, call in (("in_process", client.lookup), ("zmq", client.zmq.lookup)):
+            start = time.perf_counter()
+            answer = call(f"{name}-{n}-{rnd}", n * 16, hashes)
+            times[name].append((time.perf_counter() - start) * 1e3)
+            answers.add(repr(answer))
+    if len(answers) != 1:
+        raise RuntimeError(f"the two paths disagree: {answers}")
+    hit = getattr(engine.lookup_result(n * 16, hashes), "hit_length", 0)
+    return dict(hashes=n, keys=len(keys), hit=hit, in_process_ms=statistics.median(times["in_process"]),
+                zmq_ms=statistics.median(times["zmq"]))
+
+
+def format_rows(rows: Sequence[Dict[str, Any]]) -> str:
+    head = f"{'hashes':>6} {'keys':>6} {'hit':>6} {'in-process ms':>14} {'ZMQ to rank 0 ms':>17} {'ratio':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['hashes']:6d} {r['keys']:6d} {r['hit']:6d} {r['in_process_ms']:14.3f} {r['zmq_ms']:17.3f} "
+                     f"{r['in_process_ms'] / r['zmq_ms']:6.2f}")
+    return "\n".join(lines)
