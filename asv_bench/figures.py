@@ -7,7 +7,9 @@
 2. ns per key at ~10k keys (1,280 hashes x R 8) and ~1M keys (131,072 hashes x R 8), for key
    building and for the whole client-side lookup;
 3. the 1M-key lookup's memory: tracemalloc peak during the lookup and the RSS it adds, against the
-   total size of its key strings (sum of ``sys.getsizeof``), per implementation.
+   total size of its key strings (sum of ``sys.getsizeof``), per implementation. The peak is that
+   of a second lookup: for ``c`` it is near 0, since it rewrites the first lookup's strings in
+   place; the RSS added is the first lookup's.
 
 Times are the minimum over rounds of the mean of a batch, GC off; memory figures come from a
 fresh child process per implementation, so that one's peak does not hide another's.
@@ -23,6 +25,7 @@ import sys
 import time
 
 from mooncake_keys.bench import scenarios as common
+from mooncake_keys.bench import sidebyside
 
 
 def _ns_per_key(impl: str, scenario: common.Scenario, what: str, rounds: int, batch: int) -> tuple:
@@ -98,7 +101,7 @@ def main() -> int:
         print("3. 1M-key lookup (131,072 hashes x R 8, cold): memory vs its key strings")
         print(f"   {'impl':5} {'keys':>8} {'key str MB':>10} {'tracemalloc peak MB':>20} {'ratio':>6} "
               f"{'RSS added MB':>13} {'ratio':>6}")
-        for impl in common.IMPLS:
+        for impl in sidebyside.available(common.IMPLS):  # vllm only where vLLM 0.33 is installed
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", impl],
                                  capture_output=True, text=True, check=True).stdout.split()
             _, n, kb, peak, rss = out
