@@ -10,7 +10,8 @@ Everything is vLLM's (saves, loads, events, metrics, the ZMQ lookup channel) exc
 on rank 0 the worker's lookup is replaced by :func:`~mooncake_keys.vllm.accelerate_worker`.
 With ``"lookup_in_scheduler": true`` in ``kv_connector_extra_config`` the scheduler answers
 lookups itself (:mod:`.scheduler`). ``"lookup_strategy"`` there is the engine's strategy:
-``"rounds"`` (default: only the keys the answer needs) or ``"oneshot"`` (vLLM's keys, one call).
+``"oneshot"`` (default: vLLM's very keys, one call) or ``"rounds"`` (only the keys the answer
+needs: a miss costs a few keys instead of the whole prompt's).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         self._handshake: Optional[str] = None  # vLLM's __del__ calls shutdown() even after a failed __init__
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self._strategy = extra.get(LOOKUP_STRATEGY, "rounds")
+        self._strategy = extra.get(LOOKUP_STRATEGY, "oneshot")
         if self._strategy not in STRATEGIES:  # before vLLM's connector starts anything
             raise ValueError(f"kv_connector_extra_config[{LOOKUP_STRATEGY!r}] must be one of {STRATEGIES}, "
                              f"got {self._strategy!r}")

@@ -4,9 +4,9 @@ The worker keeps everything of vLLM's (store, threads, metrics, the ZMQ lookup s
 ``lookup`` attribute is replaced, by one built from the worker's own state and checked against
 it (:mod:`.mapping`). The replacement answers with vLLM's own result types and values, asks
 through the worker's store, and records vLLM's ``lookup_exists`` metric for every call as the
-original does. It asks in rounds (``strategy="rounds"``: the same answer from only the keys it
-needs, :mod:`mooncake_keys.lookup.rounds`), or with ``strategy="oneshot"`` the very keys vLLM
-sends, in one ``batch_is_exist``. A worker the engine cannot reproduce keeps vLLM's lookup, and the
+original does. By default it sends the very keys vLLM sends, in one ``batch_is_exist``
+(``strategy="oneshot"``); ``strategy="rounds"`` asks only the keys the answer needs (the same
+answer, several calls: :mod:`mooncake_keys.lookup.rounds`). A worker the engine cannot reproduce keeps vLLM's lookup, and the
 reason is logged once.
 """
 
@@ -118,14 +118,15 @@ class FastLookup:
         return result_cls(r.hit_length, tuple(boundary_cls(b.group_id, b.num_tokens) for b in r.tail_key_boundaries))
 
 
-def accelerate_worker(worker: Any, *, strategy: str = "rounds") -> bool:
+def accelerate_worker(worker: Any, *, strategy: str = "oneshot") -> bool:
     """Answer ``worker.lookup`` with mooncake_keys; True when it does.
 
     ``worker`` is vLLM's rank-0 ``MooncakeStoreWorker`` (0.33.x, or 0.25.x). The new lookup
     gives vLLM's own results (``MooncakeLookupResult`` with ``TailKeyBoundary`` objects on 0.33)
     with identical values, asks ``worker.store`` and records vLLM's ``lookup_exists`` metric
-    per call. ``strategy`` is the engine's (see :class:`LookupEngine`): ``"rounds"`` (default)
-    asks only the keys the answer needs, ``"oneshot"`` sends vLLM's keys in one call. A worker that cannot be
+    per call. ``strategy`` is the engine's (see :class:`LookupEngine`): ``"oneshot"`` (default)
+    sends vLLM's very keys in one ``batch_is_exist``; ``"rounds"`` asks only the keys the answer
+    needs. A worker that cannot be
     reproduced (a Mamba group, a capacity-only worker, an unsupported vLLM, ...) keeps vLLM's
     lookup: False, and one log line says why. Calling it again is harmless.
     """
