@@ -71,6 +71,8 @@ def _measure(worker: Any, client: Any, holder: Any, n: int, repeat: int) -> Dict
     """Three quarters of the prefix stored (every group and namespace: rank 0's own keys)."""
     import ctypes
 
+    from .on_master import store_keys
+
     hashes = [n.to_bytes(4, "little") + i.to_bytes(4, "little") * 7 for i in range(n)]
     engine = worker.lookup.engine
     keys = engine.candidate_keys(n * 16, hashes)
@@ -79,9 +81,7 @@ def _measure(worker: Any, client: Any, holder: Any, n: int, repeat: int) -> Dict
     ptr = ctypes.addressof(buf)
     holder.register_buffer(ptr, 64)
     try:
-        for i in range(0, len(stored), 4096):
-            part = stored[i:i + 4096]
-            holder.batch_put_from(part, [ptr] * len(part), [64] * len(part))
+        store_keys(holder, stored, ptr, 64)
     finally:
         holder.unregister_buffer(ptr)
     times: Dict[str, List[float]] = {"in_process": [], "zmq": []}

@@ -29,7 +29,7 @@ import mooncake_keys as mk
 from . import scenarios as common
 
 __all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "CountingStore", "MasterSession", "available_impls",
-           "run_on_master", "format_table", "check_targets", "plot"]
+           "run_on_master", "format_table", "check_targets", "plot", "store_keys"]
 
 #: Fractions of the prefix stored.
 HIT_FRACTIONS = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -60,7 +60,8 @@ class CountingStore:
         return self.store.batch_is_exist(keys)
 
 
-def _store_prefix(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4096) -> None:
+def store_keys(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4096) -> None:
+    """Put every key (``size`` bytes from registered memory at ``ptr``), in batches; raise on a failed put."""
     for i in range(0, len(keys), batch):
         part = keys[i:i + batch]
         rc = holder.batch_put_from(part, [ptr] * len(part), [size] * len(part))
@@ -148,7 +149,7 @@ class MasterSession:
         if key not in self._stored:
             sc = common.STANDARD[sname]
             req = _fraction_request(sc, fraction)
-            _store_prefix(self.holder, common._keys_of(sc, req, _stored_tokens(sc, fraction)), self._ptr, 64)
+            store_keys(self.holder, common._keys_of(sc, req, _stored_tokens(sc, fraction)), self._ptr, 64)
             self._stored[key] = req
         return self._stored[key]
 

@@ -167,11 +167,12 @@ class LookupEngine(DeploymentViews):
         return self.deployment.lookup_prefixes
 
     # --------------------------------------------------------------------------- steps
-    def _prepare(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any
+    def _prepare(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any, name: str = "num_tokens"
                  ) -> Optional[Tuple[int, BlockHashes, LookupPlan]]:
-        """The lookup length, the hashes and the plan; None when there is nothing to look up."""
+        """The lookup length, the hashes and the plan; None when there is nothing to look up.
+        ``name``: the caller's name of ``num_tokens``, for error messages."""
         dep = self.deployment
-        num_tokens = int_arg("token_len", num_tokens)
+        num_tokens = int_arg(name, num_tokens)
         skip_tokens = int_arg("skip_tokens", skip_tokens, min=0)
         hashes = as_block_hashes(block_hashes)
         if dep.contract.aligns_lookup_length:
@@ -181,7 +182,7 @@ class LookupEngine(DeploymentViews):
             sbs = dep.scheduler_block_size
             if token_len > 0 and token_len % sbs:
                 raise ValueError(
-                    f"token_len ({token_len}) must be a multiple of the scheduler block size ({sbs})"
+                    f"{name} ({token_len}) must be a multiple of the scheduler block size ({sbs})"
                 )
         if not len(hashes) or token_len <= 0:
             return None
@@ -263,16 +264,16 @@ class LookupEngine(DeploymentViews):
     # --------------------------------------------------------------------------- public
     def candidate_keys(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> List[str]:
         """The keys :meth:`lookup` sends, in order (group, then chunk, then namespace)."""
-        prepared = self._prepare(token_len, block_hashes, skip_tokens)
+        prepared = self._prepare(token_len, block_hashes, skip_tokens, "token_len")
         if prepared is None:
             return []
         aligned, hashes, plan = prepared
         return self._keys(aligned, skip_tokens, hashes, plan)
 
-    def lookup(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
-        """Hit length in tokens (0 .. ``token_len``) of the longest usable stored prefix.
+    def lookup(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
+        """Hit length in tokens (0 .. ``num_tokens``) of the longest usable stored prefix.
 
-        ``token_len`` is the request's length in tokens: under vLLM 0.33 it is floored to the
+        ``num_tokens`` is the request's length in tokens: under vLLM 0.33 it is floored to the
         scheduler block size (the hash unit with partial hash hits), and a hit covering all of
         it is shortened so that the last token is computed; under vLLM 0.25 it must be a
         multiple of the scheduler block size. ``block_hashes`` are the request's hashes at
@@ -280,13 +281,13 @@ class LookupEngine(DeploymentViews):
         Chunks wholly below ``skip_tokens`` (tokens the engine holds locally) are not asked and
         count as present. A store fault answers 0, logged.
         """
-        answer = self._lookup(token_len, block_hashes, skip_tokens)
+        answer = self._lookup(num_tokens, block_hashes, skip_tokens)
         return answer[0] if answer is not None else 0
 
-    def lookup_result(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> LookupResult:
+    def lookup_result(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> LookupResult:
         """:meth:`lookup` with vLLM 0.33's whole answer: the hit length and, per store group,
         its tail key boundary (see :class:`LookupResult`)."""
-        answer = self._lookup(token_len, block_hashes, skip_tokens)
+        answer = self._lookup(num_tokens, block_hashes, skip_tokens)
         if answer is None:
             return _NO_HIT
         hit, num_hashes, presence = answer
@@ -296,16 +297,16 @@ class LookupEngine(DeploymentViews):
         boundaries = dep.tail_boundaries(hit, presence, num_hashes)
         return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
 
-    def _lookup(self, token_len: Any, block_hashes: Any, skip_tokens: Any
+    def _lookup(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any
                 ) -> Optional[Tuple[int, int, List[bytearray]]]:
         """(hit, number of hashes, per-group presence), or None for no hit at all."""
-        prepared = self._prepare(token_len, block_hashes, skip_tokens)
+        prepared = self._prepare(num_tokens, block_hashes, skip_tokens)
         if prepared is None:
             self._count(0, 0, 0)
             return None
         aligned, hashes, plan = prepared
         if self.strategy == "rounds" and self._keys_of(plan) >= self.rounds_min_keys:
-            return self._lookup_in_rounds(token_len, hashes, plan)
+            return self._lookup_in_rounds(num_tokens, hashes, plan)
         keys = self._keys(aligned, skip_tokens, hashes, plan, for_store=True)
         if keys:
             flags = self._ask(keys, [len(p.asked) for p in plan.groups])
@@ -318,7 +319,7 @@ class LookupEngine(DeploymentViews):
         else:
             flags = b""
         presence = plan.presence(flags)
-        hit = self._hit(token_len, len(hashes), plan, presence)
+        hit = self._hit(num_tokens, len(hashes), plan, presence)
         self._count(len(keys), 0, hit)
         return hit, len(hashes), presence
 
