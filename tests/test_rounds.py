@@ -21,10 +21,14 @@ class SetStore:
         self.present = present
         self.calls = 0
         self.keys = 0
+        self.asked = set()
+        self.asked_twice = 0
 
     def batch_is_exist(self, keys):
         self.calls += 1
         self.keys += len(keys)
+        self.asked_twice += sum(1 for k in keys if k in self.asked)
+        self.asked.update(keys)
         return [1 if k in self.present else 0 for k in keys]
 
 
@@ -88,7 +92,7 @@ def test_rounds_answer_as_one_shot(impl, case):
     a = mk.LookupEngine("m", store=one, strategy="oneshot", **dep).lookup_result(tokens, hashes, skip_tokens=skip)
     b = mk.LookupEngine("m", store=rounds, strategy="rounds", rounds_min_keys=0, **dep).lookup_result(tokens, hashes, skip_tokens=skip)
     assert a == b
-    assert rounds.keys <= one.keys
+    assert rounds.keys <= one.keys and rounds.asked_twice == 0  # no chunk is asked twice
 
 
 @SETTINGS
@@ -211,3 +215,18 @@ def test_on_a_real_master_a_miss_asks_64_keys_and_a_hit_answers_as_one_shot():
     full = 2048 * 64 - 64  # every block stored: vLLM 0.33 re-derives the hit one block short
     assert got[(1.0, "oneshot")] == (full, 1, 16384)
     assert got[(1.0, "rounds")] == (full, 2, 16384)  # 64 keys, then the other 16,320
+
+
+def test_a_sliding_window_round_stays_between_the_bounds():
+    """Slots below the lower bound's window are never picked, even when they are all unknown
+    and the round is larger than what lies between the bounds."""
+    from mooncake_keys.lookup.rounds import Rounds
+
+    e = mk.LookupEngine("m", [F(16), S(16, 32)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()))
+    dep = e.deployment
+    plan = dep.plan(64 * 16, 64, 0)
+    swa = Rounds(dep, plan).groups[1]
+    swa.known[:4] = b"\x01" * 4  # slots 0-3 asked already
+    picked = swa.highest_unknown(100, 10, 20)  # chunks 10 .. 19: 10 unknown slots, a round of 100
+    assert picked == ((swa.slot(10), swa.slot(20)),)
+    assert swa.highest_unknown(100, 2, 20)[0][0] == 4  # never a slot asked already

@@ -98,7 +98,7 @@ class _Group:
             j = known.rfind(0, first, hi)
             if j < 0:
                 break
-            start = max(known.rfind(1, first, j) + 1, j + 1 - size)
+            start = max(known.rfind(1, first, j) + 1, first, j + 1 - size)  # the run of unknown slots down from j
             out.append((start, j + 1))
             size -= j + 1 - start
             hi = start
