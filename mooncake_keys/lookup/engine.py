@@ -200,7 +200,7 @@ class LookupEngine(DeploymentViews):
         if keys is not None:
             return keys
         dep = self.deployment
-        n = sum(len(p.asked) * len(dep.lookup_heads[g]) for g, p in enumerate(plan.groups))
+        n = self._keys_of(plan)
         keys = cache.take_spare() if for_store else None  # the last key list, to write over
         if keys is None:
             keys = [None] * n
