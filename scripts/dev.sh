@@ -113,14 +113,14 @@ cmd_test() {
   local before; before=$(leftovers)
   echo "== 1/4: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
-  run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm
+  MK_REQUIRE_REAL=1 run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm
   nothing_left "$before"
   local release
   for release in 0.33.0 0.25.1; do
     local v; v=$(vllm_venv "$release")
     echo "== ${release%.*}: against vLLM $release's own code, compiled core then MOONCAKE_KEYS_NO_EXTENSIONS=1"
-    MK_REQUIRE_VLLM=$release run_pytest "$v/bin/python" -q -p no:cacheprovider tests/against_vllm
-    MK_REQUIRE_VLLM=$release MOONCAKE_KEYS_NO_EXTENSIONS=1 run_pytest "$v/bin/python" -q -p no:cacheprovider tests/against_vllm
+    MK_REQUIRE_REAL=1 MK_REQUIRE_VLLM=$release run_pytest "$v/bin/python" -q -p no:cacheprovider tests/against_vllm
+    MK_REQUIRE_REAL=1 MK_REQUIRE_VLLM=$release MOONCAKE_KEYS_NO_EXTENSIONS=1 run_pytest "$v/bin/python" -q -p no:cacheprovider tests/against_vllm
     nothing_left "$before"
   done
   echo "== 4/4: a fresh venv, installed with no usable compiler (CC=false): the whole suite on pure Python"
@@ -135,7 +135,7 @@ cmd_test() {
   grep -q "falls back to pure Python" "$tmp/install.log" || { echo "error: expected the pure-Python fallback warning" >&2; cat "$tmp/install.log"; return 1; }
   rm -rf "$tmp/mooncake_keys"  # only the installed copy may be imported
   (cd "$tmp" && CC=false "$V" -c 'import mooncake_keys as mk, sys; print("ACCELERATED =", mk.ACCELERATED, mk.__file__); sys.exit(mk.ACCELERATED)')
-  (cd "$tmp" && CC=false run_pytest "$V" -q -p no:cacheprovider -m "not c_extension" tests --ignore=tests/against_vllm)
+  (cd "$tmp" && CC=false MK_REQUIRE_REAL=1 run_pytest "$V" -q -p no:cacheprovider -m "not c_extension" tests --ignore=tests/against_vllm)
   nothing_left "$before"
 }
 
