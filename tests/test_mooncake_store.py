@@ -470,7 +470,7 @@ def test_dead_master_fails_fast_then_restart_recovers(
         store.batch_is_exist([key])
     elapsed = time.monotonic() - start
     assert info.value.health == 2
-    assert elapsed < 0.25, elapsed  # the raw client stalls ~4.3 s here
+    assert elapsed < 1.0, elapsed  # the raw client stalls ~4.3 s here; typically < 1 ms, 1 s bound against a noisy CI
     for call in (lambda: store.is_exist(key), lambda: store.put(key, b"v"), lambda: store.get(key)):
         with pytest.raises(MooncakeStoreUnavailable):
             call()
