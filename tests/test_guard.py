@@ -64,3 +64,13 @@ def test_both_cores_have_the_same_functions():
     assert CORE_C.__all__ == _core_py.__all__  # behaviour: tests/test_core_parity.py
     for name in ("fill_keys", "reduce_presence"):
         assert callable(getattr(CORE_C, name))
+
+
+def test_require_real_turns_a_missing_component_into_an_error():
+    """The test command sets MK_REQUIRE_REAL=1: a missing etcd must fail the run, not skip tests."""
+    env = dict(os.environ, MK_REQUIRE_REAL="1", PATH=tempfile.gettempdir() + "/no-such-dir")
+    here = os.path.dirname(__file__)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+                          os.path.join(here, "test_guard.py")], env=env, capture_output=True, text=True, cwd=here)
+    assert out.returncode == 4, (out.returncode, out.stdout[-500:], out.stderr[-500:])  # a usage error
+    assert "MK_REQUIRE_REAL=1 but these are missing: etcd" in out.stdout + out.stderr
