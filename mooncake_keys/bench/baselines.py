@@ -1,5 +1,6 @@
-"""vLLM's Mooncake store lookup, re-expressed in plain Python from the contract
-(``shared/spec/vllm-lookup.md`` sections 2, 3.2, 5, 6, 7), as the yardsticks for mooncake_keys.
+"""vLLM's Mooncake store lookup, re-expressed in plain Python from the seed's contract (vLLM
+0.25.x: key grammar, namespaces, lookup masks, coordinator; docs/architecture.md), as the
+yardsticks for mooncake_keys.
 
 Two states of vLLM's ``MooncakeStoreWorker.lookup``:
 

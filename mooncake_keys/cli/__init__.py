@@ -25,7 +25,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--memory", action="store_true", help="use the in-process MemoryStore, not Mooncake")
     bench = sub.add_parser("bench", help="the standard scenarios, side by side with vLLM's approaches")
-    bench.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats per case (min is kept)")
+    bench.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats per case (the median is kept; the ns/key sweep keeps the minimum)")
     bench.add_argument("--quick", action="store_true", help="one short round: a smoke run (about 10 s)")
     bench.add_argument("--plot", default="docs/ns_per_key.png", help="where to write the client-side PNG plot")
     bench.add_argument("--no-master", action="store_true", help="skip the lookups on a real mooncake_master")

@@ -1,4 +1,4 @@
-"""The lookup engine: block hashes in, hit length in tokens out, with one ``batch_is_exist``.
+"""The lookup engine: block hashes in, hit length in tokens out, asking the store ``batch_is_exist``.
 
 A lookup (vLLM's ``MooncakeStoreWorker.lookup``, as the chosen vLLM release has it):
 
@@ -8,14 +8,17 @@ A lookup (vLLM's ``MooncakeStoreWorker.lookup``, as the chosen vLLM release has 
    length, allowed by the group's lookup mask, not wholly below ``skip_tokens``);
 3. one key per (group, chunk, namespace), ordered group -> chunk -> namespace (memoised for a
    repeated request by the key cache);
-4. one ``store.batch_is_exist(keys)``;
+4. ``store.batch_is_exist(keys)``: once with every key (``strategy="oneshot"``, vLLM's way), or
+   in rounds that stop when the answer is decided (``strategy="rounds"``, the default for
+   lookups of ``rounds_min_keys`` keys or more; see :mod:`.rounds`), with the same answer;
 5. a chunk is present when every namespace of its group answered 1 (the core's reduction);
 6. the coordinator turns per-group chunk presence into the longest usable hit; under vLLM 0.33
    a hit covering all of ``num_tokens`` is re-derived one alignment step shorter (the last
    token must be computed), and each store group gets its tail key boundary.
 
 The store-fault policy lives here, in :meth:`LookupEngine._ask`: whatever the store does, the
-lookup answers 0 with one warning line on the ``mooncake_keys`` logger.
+lookup answers 0 with one warning line on the ``mooncake_keys.lookup`` logger (a child of
+``mooncake_keys``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ Which chunks a round asks, per group (a chunk is asked at most once):
 
 - full attention: the lowest chunks not asked yet (its hit is a prefix), none past the upper
   bound; the first round ``first`` of them, then ``growth`` times as many each round, or with
-  ``growth=None`` (the default) all the rest at once: a round trip to the master costs about as
-  much as a thousand keys, so a hit pays one small round more than the one-shot lookup;
+  ``growth=None`` (the default) all the rest at once: every extra round costs a round trip
+  (0.1-0.4 ms on loopback, as much as a few hundred keys), so a hit pays one small round more
+  than the one-shot lookup, where doubling rounds would pay several;
 - sliding window: the highest chunks not asked yet at or below the upper bound (a window ends
   there) and above the lower bound less a window: ``first``, then a window's worth, doubling
   each round. A window far below the full-attention hit is never asked.
@@ -26,9 +27,10 @@ at most as many keys as the one-shot lookup. A lookup of fewer than :data:`MIN_K
 asked one-shot: it has little to save, and a hit would pay the extra round trip.
 
 Measured on a real ``mooncake_master`` on loopback (docs/benchmarks.md): a miss on standard
-scenario (a) costs 64 keys in one call instead of 16,384 (about 0.07x the one-shot time); a full
+scenario (a) costs 64 keys in one call instead of 16,384 (about 0.1x the one-shot time); a full
 hit costs one round of 64 keys more (about 1.0x); with a sliding-window group beside full
-attention (scenario b) only the windows near the hit are asked (about 0.6x at any hit).
+attention (scenario b) only the windows near the hit are asked (0.05x at a miss, 0.5-0.7x at a
+partial or full hit).
 
 Rounds work in *slots*: the positions of a group's asked chunks in the lookup plan (under a
 lookup mask not every chunk is asked), so a round is a few slices of the plan's arrays.

@@ -4,7 +4,7 @@
 ...     store = MooncakeStore.connect(cluster.master_address)   # "etcd://127.0.0.1:PORT"
 
 The masters elect a leader through etcd; the others stand by. When the leader dies a standby
-takes over (about 9 s here: the leader's etcd lease runs out, then a fixed 5 s warm-up) and,
+takes over (about 10 s here, 9.6 s measured: the leader's etcd lease runs out, then a fixed 5 s warm-up) and,
 thanks to the oplog, every key put before is still there. Every process dies with the one that
 started the cluster (see :mod:`.process`) and is stopped by PID.
 """
