@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["bool_arg", "int_arg", "str_arg", "MAX_TOKENS"]
+__all__ = ["bool_arg", "int_arg", "str_arg", "text_arg", "seconds_arg", "MAX_TOKENS", "MAX_SECONDS"]
 
 #: The largest token count or block size accepted anywhere: vLLM's lookup wire format carries
 #: token counts as u32, and no model comes near it.
 MAX_TOKENS = (1 << 32) - 1
+#: The longest time limit accepted (a day): longer ones overflow the clocks they are handed to.
+MAX_SECONDS = 86400.0
 
 
 def int_arg(name: str, value: Any, *, min: Optional[int] = None, max: Optional[int] = None) -> int:
@@ -34,4 +36,26 @@ def str_arg(name: str, value: Any) -> str:
     """``value`` if it is a ``str``; else TypeError."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def text_arg(name: str, value: Any) -> str:
+    """``value`` if it is a ``str`` that UTF-8 can encode (it becomes part of a store key or an
+    address); else TypeError/ValueError. A lone surrogate would otherwise fail every call later."""
+    str_arg(name, value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} must be valid text (UTF-8 encodable), got {value!r}: {exc.reason}") from None
+    return value
+
+
+def seconds_arg(name: str, value: Any, *, max: float = MAX_SECONDS) -> float:
+    """``value`` as a float if it is a finite real number in ``(0, max]`` (a time limit, in
+    seconds or the unit its name says); else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not 0 < value <= max:  # nan fails both comparisons
+        raise ValueError(f"{name} must be > 0 and <= {max:g}, got {value!r}")
     return value

@@ -185,10 +185,20 @@ def test_non_ascii_names_are_identical_on_both_cores(recording_store):
     out = {}
     for core in ("c", "py"):
         e = mk.LookupEngine("модель-日本語-🚀", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2),
-                            hash_block_size=16, cache_prefix="é\udcff", store=mk.MemoryStore(), core=core, vllm_compat="0.25")
+                            hash_block_size=16, cache_prefix="é\xff", store=mk.MemoryStore(), core=core, vllm_compat="0.25")
         out[core] = e.candidate_keys(64, HS)
     a, b = out.values()
-    assert a == b and a[0] == "é\udcff@модель-日本語-🚀@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + HS[0].hex()
+    assert a == b and a[0] == "é\xff@модель-日本語-🚀@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + HS[0].hex()
+
+
+@pytest.mark.parametrize("name", ["model_name", "cache_prefix", "store_namespace"])
+def test_a_name_utf8_cannot_encode_is_refused_at_construction(name):
+    """A lone surrogate made every lookup fail later (the store cannot send the key)."""
+    kw = dict(model_name="m", cache_prefix="", store_namespace="")
+    kw[name] = "\ud800" if name != "store_namespace" else "@store_tp:\ud800"
+    with pytest.raises(ValueError, match=f"{name} must be valid text"):
+        mk.LookupEngine(kw.pop("model_name"), [F(16)], mk.ParallelLayout(), hash_block_size=16,
+                        store=mk.MemoryStore(), **kw)
 
 
 def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store):

@@ -18,10 +18,16 @@ from functools import lru_cache
 from math import gcd
 from typing import List, Optional, Sequence, Tuple, Union
 
+from .._checks import MAX_TOKENS, bool_arg, int_arg
 from .contract import Contract
 from .specs import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
 
 Presence = Union[bytes, bytearray]  # one byte per chunk: 1 present, 0 absent
+
+#: The most chunks (or hash units) of one group in a scheduler block. A lookup covers at most
+#: one scheduler block past its last hash, so its work is O(hashes + this) per group; real
+#: deployments are far below it (vLLM's lcm of block sizes over a hash block: tens to hundreds).
+MAX_CHUNKS_PER_SCHEDULER_BLOCK = 1 << 16
 
 __all__ = ["Coordinator", "Presence"]
 
@@ -123,10 +129,24 @@ class Coordinator:
         partial_hash_hits: bool = False,
     ) -> None:
         self.groups: Tuple[KVCacheGroup, ...] = tuple(groups)
-        self.scheduler_block_size = scheduler_block_size
-        self.hash_block_size = hash_block_size
+        if not self.groups or not all(isinstance(g, KVCacheGroup) for g in self.groups):
+            raise TypeError("groups must be a non-empty sequence of KVCacheGroup")
+        if not isinstance(contract, Contract):
+            raise TypeError(f"contract must be a Contract (contract.get_contract('0.33')), got {type(contract).__name__}")
+        self.scheduler_block_size = int_arg("scheduler_block_size", scheduler_block_size, min=1, max=MAX_TOKENS)
+        self.hash_block_size = int_arg("hash_block_size", hash_block_size, min=1, max=MAX_TOKENS)
+        bool_arg("use_eagle", use_eagle)
         self.contract = contract
-        self.partial_hash_hits = partial_hash_hits
+        self.partial_hash_hits = bool_arg("partial_hash_hits", partial_hash_hits)
+        for g, grp in enumerate(self.groups):
+            per = scheduler_block_size // (hash_block_size if partial_hash_hits else grp.spec.block_size)
+            if per > MAX_CHUNKS_PER_SCHEDULER_BLOCK:
+                raise ValueError(
+                    f"scheduler_block_size ({scheduler_block_size} tokens; by default the lcm of the groups' "
+                    f"block sizes) spans {per} chunks of store group {g}; at most "
+                    f"{MAX_CHUNKS_PER_SCHEDULER_BLOCK} are supported: a lookup's lengths are scheduler "
+                    "blocks, so its work would grow with this number, not with the hashes"
+                )
         #: Every hit (and, under vLLM 0.33, every lookup length) is a multiple of this.
         self.alignment = hash_block_size if partial_hash_hits else scheduler_block_size
         # Attention groups: equal specs merge, full attention first (stable).
@@ -198,6 +218,22 @@ class Coordinator:
             )
         return self._lookup_mask(token_len)
 
+    def _check_presence(self, presence: Sequence[Presence], max_length: int,
+                        units: Optional[Sequence[Presence]]) -> None:
+        """TypeError/ValueError for presence that is not one bytes-like per group, or a
+        ``max_length`` (tokens) past the presence given by more than a scheduler block: the work
+        of a hit grows with ``max_length``, and chunks past the presence count as absent."""
+        int_arg("max_length", max_length, min=0, max=MAX_TOKENS)
+        for name, arrays in (("presence", presence), ("units", units)):
+            if arrays is None:
+                continue
+            if len(arrays) != len(self.groups) or not all(isinstance(p, (bytes, bytearray)) for p in arrays):
+                raise TypeError(f"{name} must hold one bytes or bytearray per group ({len(self.groups)})")
+        for grp, p in zip(self.groups, presence):
+            if max_length // grp.spec.block_size > len(p) + MAX_CHUNKS_PER_SCHEDULER_BLOCK:
+                raise ValueError(f"max_length ({max_length} tokens) is far past the presence given "
+                                 f"({len(p)} chunks of {grp.spec.block_size} tokens)")
+
     def _compute_lookup_mask(self, token_len: int) -> Tuple[Mask, ...]:
         masks: List[Mask] = []
         for g, grp in enumerate(self.groups):
@@ -245,6 +281,21 @@ class Coordinator:
         far (tokens) an EAGLE group may look past the current hit under vLLM 0.33 (the end of
         the hashes); default ``max_length``.
         """
+        self._check_presence(presence, max_length, units)
+        return self.longest_hit(presence, max_length, units=units, peek_limit=peek_limit, apply_eagle=apply_eagle)
+
+    def longest_hit(
+        self,
+        presence: Sequence[Presence],
+        max_length: int,
+        *,
+        units: Optional[Sequence[Presence]] = None,
+        peek_limit: Optional[int] = None,
+        apply_eagle: bool = True,
+    ) -> int:
+        """What :meth:`find_longest_cache_hit` answers, without its argument checks: for presence
+        built by a lookup plan (``Deployment.hit_length``), valid by construction; the checks
+        would cost a lookup twice what this does."""
         eagle = self.eagle_attention_indices if apply_eagle else frozenset()
         attn = self.attention_groups
         views = [_and([presence[g] for g in ids]) for _, ids in attn]

@@ -22,6 +22,8 @@ The lookup engine and the KV pool are both built on one; neither reaches into th
 
 from __future__ import annotations
 
+import re
+
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, replace
@@ -30,7 +32,7 @@ from math import lcm
 from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from .._checks import MAX_TOKENS, bool_arg, int_arg, str_arg
+from .._checks import MAX_TOKENS, bool_arg, int_arg, text_arg
 from . import _core
 from .contract import DEFAULT_VLLM_COMPAT, Contract, get_contract
 from .coordinator import Coordinator, Presence
@@ -137,20 +139,41 @@ class DeploymentViews:
         return self.deployment.coordinator
 
 
-def _check_unambiguous(model_name: str, cache_prefix: str) -> None:
-    """Refuse an ``@`` in the model name or cache prefix: the key grammar joins them with ``@``,
-    so such names make two deployments' keys identical (model ``"a@m"`` without a prefix writes
-    exactly the keys of model ``"m"`` with ``cache_prefix="a"``) and ``cache_prefix`` would no
-    longer isolate them."""
+#: vLLM 0.33's store namespace: ``@store_<name>:<value>`` tags (``@store_tp:4@store_pp:1@...``).
+_STORE_NAMESPACE = re.compile(r"(?:@store_[A-Za-z0-9_]+:[^@]+)*")
+#: A model name that reads as such a tag.
+_TAG_LIKE = re.compile(r"store_[A-Za-z0-9_]+:")
+_OPT_IN = ("Pass allow_ambiguous_names=True only for an existing deployment whose keys already use "
+           "such a name.")
+
+
+def _check_unambiguous(model_name: str, cache_prefix: str, store_namespace: str) -> None:
+    """Refuse names that let two deployments' keys coincide, so ``cache_prefix`` isolates them.
+
+    A key's head is ``[<cache_prefix>@]<model><store_namespace>``, split on ``@``. It reads back
+    one way only when the prefix and model hold no ``@``, the namespace is nothing but vLLM's
+    ``@store_<name>:<value>`` tags, and the model name does not read as such a tag. Otherwise
+    model ``"a@m"`` without a prefix writes exactly the keys of model ``"m"`` with
+    ``cache_prefix="a"``, and model ``"a"`` with ``store_namespace="@m"`` those too."""
     for name, value in (("model_name", model_name), ("cache_prefix", cache_prefix)):
         if "@" in value:
             raise ValueError(
                 f"{name} {value!r} contains '@', the key grammar's separator: its keys could be "
                 "another deployment's (model 'a@m' without a cache prefix writes the keys of model "
-                "'m' with cache_prefix 'a'), so cache_prefix would not isolate them. Pass "
-                "allow_ambiguous_names=True only for an existing deployment whose keys already use "
-                "such a name."
+                f"'m' with cache_prefix 'a'), so cache_prefix would not isolate them. {_OPT_IN}"
             )
+    if not _STORE_NAMESPACE.fullmatch(store_namespace):
+        raise ValueError(
+            f"store_namespace {store_namespace!r} is not vLLM's store namespace ('' or "
+            "'@store_<name>:<value>' tags, e.g. '@store_tp:4@store_pp:1'): another text after the "
+            f"model name could make one deployment's keys another's. {_OPT_IN}"
+        )
+    if _TAG_LIKE.match(model_name):
+        raise ValueError(
+            f"model_name {model_name!r} reads as a store namespace tag ('store_<name>:'): with a "
+            "cache prefix its keys could be those of another model with a store namespace. "
+            f"{_OPT_IN}"
+        )
 
 
 def _normalise_groups(groups: Any, layout: ParallelLayout) -> Tuple[KVCacheGroup, ...]:
@@ -201,11 +224,11 @@ class Deployment:
         core: Optional[str] = None,
     ) -> None:
         self.contract: Contract = get_contract(vllm_compat)
-        self.model_name = str_arg("model_name", model_name)
-        self.cache_prefix = str_arg("cache_prefix", cache_prefix)
+        self.model_name = text_arg("model_name", model_name)
+        self.cache_prefix = text_arg("cache_prefix", cache_prefix)
+        self.store_namespace = text_arg("store_namespace", store_namespace)
         if not bool_arg("allow_ambiguous_names", allow_ambiguous_names):
-            _check_unambiguous(self.model_name, self.cache_prefix)
-        self.store_namespace = str_arg("store_namespace", store_namespace)
+            _check_unambiguous(self.model_name, self.cache_prefix, self.store_namespace)
         self.partial_hash_hits = bool_arg("partial_hash_hits", partial_hash_hits)
         if not isinstance(layout, ParallelLayout):
             raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
@@ -376,7 +399,7 @@ class Deployment:
                 u[scale - 1::scale]
                 for u, scale in ((u, g.spec.block_size // self.hash_block_size) for u, g in zip(units, self.store_groups))
             ]
-        return self.coordinator.find_longest_cache_hit(
+        return self.coordinator.longest_hit(
             presence, max_length, units=units, peek_limit=num_hashes * self.hash_block_size,
             apply_eagle=apply_eagle,
         )

@@ -226,7 +226,10 @@ class LookupEngine(DeploymentViews):
         namespace); per chunk 1 when all its namespaces answered 1.
 
         The store-fault policy: an exception, an answer that is not a list or tuple, or one of
-        the wrong length gives None (the lookup answers 0) and one warning line.
+        the wrong length gives None (the lookup answers 0) and one warning line. Error codes in
+        the answer (Mooncake's negative ``ErrorCode``, -900 when its master is unreachable)
+        count as absent, as in vLLM; when they are why the first absent chunk is absent, one
+        warning line says so.
         """
         try:
             results = self.store.batch_is_exist(keys)
@@ -245,11 +248,33 @@ class LookupEngine(DeploymentViews):
                 logger.warning("lookup answered 0: batch_is_exist returned %d results for %d keys",
                                len(results), len(keys))
                 return None
-            return self._reduce(results, chunks)
+            flags = self._reduce(results, chunks)
+            if flags.find(0) >= 0:  # something is absent: say so if an error code is why
+                self._log_error_codes(results, flags, chunks)
+            return flags
         except Exception as exc:  # a list subclass that fails to iterate, ...
             logger.warning("lookup answered 0: the answer of batch_is_exist could not be read: %s: %s",
                            type(exc).__name__, exc)
             return None
+
+    def _log_error_codes(self, results: list, flags: Any, chunks: Sequence[int]) -> None:
+        """One warning line when the answers of the first absent chunk hold an error code.
+
+        Only that chunk's answers are read (a few per lookup, whatever its size): a master that
+        cannot answer answers every key so, and a code elsewhere does not end the hit there."""
+        first = flags.find(0)
+        off = 0
+        for g, c in enumerate(chunks):
+            r = len(self.deployment.lookup_heads[g])
+            if first < c:
+                answers = results[off + first * r:off + (first + 1) * r]
+                codes = sorted({x for x in answers if type(x) is int and x < 0})
+                if codes:
+                    logger.warning("lookup: batch_is_exist answered error code %s for %d keys (counted "
+                                   "absent; -900: the master is unreachable)", codes, len(results))
+                return
+            first -= c
+            off += c * r
 
     def _reduce(self, results: list, chunks: Sequence[int]) -> Any:
         dep = self.deployment

@@ -52,6 +52,10 @@ class PoolKey:
     key_metadata: KeyMetadata
     chunk_hash: str
 
+    def __post_init__(self) -> None:
+        _metadata_arg(self.key_metadata)
+        str_arg("chunk_hash", self.chunk_hash)
+
     def to_string(self) -> str:
         return PoolKey.build_key_string(PoolKey.build_prefix(self.key_metadata), self.chunk_hash)
 
@@ -65,6 +69,7 @@ class PoolKey:
         pp_rank: Optional[int] = None,
     ) -> str:
         """The key up to and including ``@group:<G>``; each override that is None falls back to ``md``."""
+        _metadata_arg(md)
         tp = md.tp_rank if tp_rank is None else int_arg("tp_rank", tp_rank, min=0)
         pcp = md.pcp_rank if pcp_rank is None else int_arg("pcp_rank", pcp_rank, min=0)
         dcp = md.dcp_rank if dcp_rank is None else int_arg("dcp_rank", dcp_rank, min=0)
@@ -78,7 +83,12 @@ class PoolKey:
     @staticmethod
     def build_key_string(prefix: str, chunk_hash: str) -> str:
         """``prefix`` + ``@`` + ``chunk_hash`` (the hex string of the chunk hash)."""
-        return prefix + _SEP + chunk_hash
+        return str_arg("prefix", prefix) + _SEP + str_arg("chunk_hash", chunk_hash)
+
+
+def _metadata_arg(md: object) -> None:
+    if not isinstance(md, KeyMetadata):
+        raise TypeError(f"key_metadata must be a KeyMetadata, got {type(md).__name__}")
 
 
 def key_head(prefix: str) -> str:
