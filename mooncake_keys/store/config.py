@@ -19,8 +19,11 @@ import ipaddress
 import json
 import os
 import re
+import reprlib
 import stat
 from typing import Any, Literal
+
+from .._checks import MAX_SECONDS, int_arg
 
 __all__ = [
     "CONFIG_PATH_ENV",
@@ -47,6 +50,10 @@ DEFAULT_SETUP_RETRIES = 1
 DEFAULT_RPC_TIMEOUT_MS = 1000
 #: Bounds each connect attempt to a master whose host drops packets (the client's default: 30 s).
 DEFAULT_RPC_CONNECT_TIMEOUT_MS = 500
+#: The most setup retries accepted (each failed attempt takes seconds).
+MAX_SETUP_RETRIES = 100
+#: The largest size in bytes (the client takes sizes as 64-bit integers).
+MAX_SIZE = (1 << 63) - 1
 #: The largest config file read: a vLLM Mooncake config is a few hundred bytes.
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -59,18 +66,26 @@ def parse_size(value: Any) -> int:
     [gb|mb|kb|b]``: units are 1024-based, no unit means bytes, and the result
     is truncated to whole bytes (``"1.5kb"`` is 1536).
     """
-    if isinstance(value, int):
-        return value
-    if not isinstance(value, str):
-        return int(value)
-    text = value.lower().strip()
-    if not text:
-        raise ValueError("size must not be empty")
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"invalid size {value!r}: expected a number with an optional unit gb, mb, kb or b")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[unit or "b"])
+    if isinstance(value, bool):
+        raise TypeError(f"a size must be an int or a string such as '4gb', got {value!r}")
+    if isinstance(value, str):
+        text = value.lower().strip()
+        if not text:
+            raise ValueError("size must not be empty")
+        match = _SIZE_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(f"invalid size {reprlib.repr(value)}: expected a number with an optional unit gb, mb, kb or b")
+        number, unit = match.groups()
+        scaled = float(number) * _UNITS[unit or "b"]
+        size = int(scaled) if scaled < MAX_SIZE + 1 else MAX_SIZE + 1  # "9" * 400 is inf as a float
+    else:
+        try:
+            size = int(value)
+        except OverflowError:  # inf
+            size = MAX_SIZE + 1
+    if size > MAX_SIZE:
+        raise ValueError(f"size {reprlib.repr(value)} is larger than {MAX_SIZE} bytes")
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +154,8 @@ class MooncakeStoreConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> MooncakeStoreConfig:
         """Read a vLLM Mooncake JSON config file (a regular file of at most 1 MiB)."""
+        if not isinstance(path, (str, os.PathLike)):  # an int would be read as a file descriptor
+            raise TypeError(f"the Mooncake config path must be a str or os.PathLike, got {type(path).__name__}")
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -151,8 +168,9 @@ class MooncakeStoreConfig:
             raise ValueError(f"Mooncake config {os.fspath(path)!r} is larger than {MAX_CONFIG_BYTES} bytes")
         try:
             data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"Mooncake config {os.fspath(path)!r} is not JSON: {exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"Mooncake config {os.fspath(path)!r} is not JSON (or nested too deeply): "
+                             f"{exc}") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -173,12 +191,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def check_client_env(setup_retries: int | None, rpc_timeout_ms: int | None) -> None:
+    """TypeError/ValueError naming ``setup_retries`` or ``rpc_timeout_ms`` (None: the default)."""
+    if setup_retries is not None:
+        int_arg("setup_retries", setup_retries, min=0, max=MAX_SETUP_RETRIES)
+    if rpc_timeout_ms is not None:
+        int_arg("rpc_timeout_ms", rpc_timeout_ms, min=1, max=int(MAX_SECONDS * 1000))
+
+
 def set_client_env(local_hostname: str, setup_retries: int | None, rpc_timeout_ms: int | None) -> None:
     """Set the process-wide variables the client reads at setup.
 
     An explicit argument overrides the environment; ``None`` keeps a value
     the user exported and falls back to our default otherwise.
     """
+    check_client_env(setup_retries, rpc_timeout_ms)
     if _is_loopback(local_hostname):
         # Else the transfer engine advertises the first non-loopback NIC.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1" if local_hostname == "localhost" else local_hostname)

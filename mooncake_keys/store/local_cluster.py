@@ -18,6 +18,7 @@ import tempfile
 import time
 from typing import List, Optional
 
+from .._checks import int_arg, seconds_arg
 from .local_master import HOST, LocalMaster, LocalMasterError, free_port, http_json
 from .process import ManagedProcess, owns_listening_port
 
@@ -33,14 +34,16 @@ def find_etcd_executable() -> str:
     raise LocalMasterError("etcd not found: install it (Debian: apt-get install etcd-server)")
 
 
+#: The most masters one cluster starts (each is a process with its own ports).
+MAX_MASTERS = 16
+
 class LocalCluster:
     """etcd and ``masters`` HA ``mooncake_master`` processes with an oplog, on loopback."""
 
     def __init__(self, masters: int = 2, *, default_kv_lease_ttl: Optional[int] = 200, ready_timeout: float = 30.0,
                  log_dir: Optional[str] = None) -> None:
-        if masters < 1:
-            raise ValueError(f"masters must be >= 1, got {masters}")
-        self.ready_timeout = ready_timeout
+        int_arg("masters", masters, min=1, max=MAX_MASTERS)
+        self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
         self._tmp = tempfile.mkdtemp(prefix="mooncake_cluster-")
         self.log_dir = log_dir or self._tmp
         self.etcd_port = free_port()

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from .._checks import MAX_SECONDS, int_arg, seconds_arg
 from .process import ManagedProcess, owns_listening_port
 
 __all__ = ["LocalMaster", "LocalMasterError", "find_master_executable", "free_port"]
@@ -104,11 +105,13 @@ class LocalMaster:
         executable: Optional[str] = None,
         etcd_endpoints: Optional[str] = None,
     ) -> None:
-        self.rpc_port = rpc_port
-        self.metrics_port = metrics_port
-        self.default_kv_lease_ttl = default_kv_lease_ttl
+        self.rpc_port = None if rpc_port is None else int_arg("rpc_port", rpc_port, min=1, max=65535)
+        self.metrics_port = None if metrics_port is None else int_arg("metrics_port", metrics_port, min=1, max=65535)
+        self.default_kv_lease_ttl = (None if default_kv_lease_ttl is None else  # milliseconds
+                                     int_arg("default_kv_lease_ttl", default_kv_lease_ttl, min=1,
+                                             max=int(MAX_SECONDS * 1000)))
         self.extra_args = list(extra_args)
-        self.ready_timeout = ready_timeout
+        self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
         self.executable = executable
         self.etcd_endpoints = etcd_endpoints
         if log_path is None:

@@ -26,7 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, List, Optional, Tuple
 
-from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, parse_size, set_client_env
+from .._checks import bool_arg, seconds_arg, text_arg
+from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, check_client_env, parse_size, set_client_env
 from .gate import CallGate, GateClosed
 from .keycheck import check_batch, check_key, check_keys
 from .lane import CallLane, LaneBusy, LaneTimeout
@@ -140,6 +141,12 @@ def _client_memory(global_segment_size: int | str, local_buffer_size: int | str,
     return segment, buffer, protocol
 
 
+def _check_timing(probe_interval_s: Optional[float], call_timeout_s: float) -> Tuple[Optional[float], float]:
+    """The checked probe interval (None: no probe) and per-call time limit, in seconds."""
+    probe = None if probe_interval_s is None else seconds_arg("probe_interval_s", probe_interval_s)
+    return probe, seconds_arg("call_timeout_s", call_timeout_s)
+
+
 def _setup_client(master_address: str, *, metadata_server: str, local_hostname: str, segment: int,
                   buffer: int, protocol: str, device_name: str) -> Any:
     """A set-up raw client, or MooncakeStoreError saying what went wrong."""
@@ -200,8 +207,7 @@ class MooncakeStore:
         (no probe without one, or with ``probe_interval_s`` None). ``reconnect(host, port)``, if
         given, sets up a client for a new HA leader (lookup-only clients follow the leader so).
         """
-        if call_timeout_s <= 0:
-            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
+        probe_interval_s, call_timeout_s = _check_timing(probe_interval_s, call_timeout_s)
         self._client = client
         self._retired: List[Any] = []  # clients replaced after a failover, closed with the store
         self._reconnect = reconnect
@@ -246,6 +252,13 @@ class MooncakeStore:
         :func:`.config.set_client_env`).
         """
         parse_master_address(master_address)  # ValueError naming it: an empty one crashes setup()
+        # Every argument is checked before a client exists (none is left behind by a bad one).
+        bool_arg("lookup_only", lookup_only)
+        for name, value in (("metadata_server", metadata_server), ("local_hostname", local_hostname),
+                            ("protocol", protocol), ("device_name", device_name)):
+            text_arg(name, value)
+        check_client_env(setup_retries, rpc_timeout_ms)
+        _check_timing(probe_interval_s, call_timeout_s)
         segment, buffer, protocol = _client_memory(global_segment_size, local_buffer_size, protocol, lookup_only)
         set_client_env(local_hostname, setup_retries, rpc_timeout_ms)
         _warn_about_listeners(protocol)

@@ -16,6 +16,7 @@ import base64
 import json
 import logging
 import os
+import reprlib
 import socket
 import threading
 import urllib.request
@@ -37,23 +38,33 @@ def parse_master_address(address: str) -> Tuple[Optional[Tuple[str, int]], List[
 
     ValueError naming ``master_address`` when it is neither."""
     if not isinstance(address, str) or not address.strip():
-        raise ValueError(f"master_address must be 'host:port' or 'etcd://host:port[;host:port]', got {address!r}")
+        raise ValueError(f"master_address must be 'host:port' or 'etcd://host:port[;host:port]', got {reprlib.repr(address)}")
     if address.startswith(ETCD_PREFIX):
         endpoints = [e.strip() for e in address[len(ETCD_PREFIX):].split(";") if e.strip()]
         if not endpoints or any(_split(e) is None for e in endpoints):
-            raise ValueError(f"master_address {address!r}: every etcd endpoint must be 'host:port'")
+            raise ValueError(f"master_address {reprlib.repr(address)}: every etcd endpoint must be 'host:port'")
         return None, endpoints
     hostport = _split(address)
     if hostport is None:
-        raise ValueError(f"master_address must be 'host:port' or 'etcd://host:port[;host:port]', got {address!r}")
+        raise ValueError(f"master_address must be 'host:port' or 'etcd://host:port[;host:port]', got {reprlib.repr(address)}")
     return hostport, []
 
 
 def _split(hostport: str) -> Optional[Tuple[str, int]]:
     host, sep, port = hostport.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only (str.isdigit takes '²' and other scripts' digits), at most 5 of them.
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) \
+            or not 0 < int(port) < 65536 or not host.isprintable() or _unencodable(host):
         return None
     return host.strip("[]"), int(port)
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _etcd_leader(endpoint: str, cluster_id: str, timeout: float) -> Optional[str]:
