@@ -7,14 +7,24 @@ import logging
 from typing import List, Optional
 
 
+#: The most prompts a demo serves, or repeats a bench takes: enough for any run, bounded.
+MAX_COUNT = 100_000
+
+
 def _positive_int(text: str) -> int:
     try:
-        value = int(text)
+        value = int(text) if len(text) <= 12 else MAX_COUNT + 1
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_COUNT}, got {text}")
     return value
+
+
+def _png_path(text: str) -> str:
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"the plot is written as PNG: the path must end in .png, got {text!r}")
+    return text
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -27,9 +37,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench = sub.add_parser("bench", help="the standard scenarios, side by side with vLLM's approaches")
     bench.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats per case (the median is kept; the ns/key sweep keeps the minimum)")
     bench.add_argument("--quick", action="store_true", help="one short round: a smoke run (about 10 s)")
-    bench.add_argument("--plot", default="docs/ns_per_key.png", help="where to write the client-side PNG plot")
+    bench.add_argument("--plot", type=_png_path, default="docs/ns_per_key.png", help="where to write the client-side PNG plot")
     bench.add_argument("--no-master", action="store_true", help="skip the lookups on a real mooncake_master")
-    bench.add_argument("--master-plot", default="docs/master_hit_fraction.png",
+    bench.add_argument("--master-plot", type=_png_path, default="docs/master_hit_fraction.png",
                        help="where to write the real-master PNG plot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
