@@ -19,6 +19,8 @@ PIP_FLAGS=(-q --disable-pip-version-check)
 # torch 2.13.0 is the CPU build on this machine's disk; a newer one would pull gigabytes.
 TORCH=torch==2.13.0
 VLLM_IMPORT=vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker
+# Bump when the recipe of a vLLM venv changes: a cached venv of another recipe is rebuilt.
+VLLM_VENV_RECIPE=2
 
 install_system() {
   # The Mooncake wheel links libibverbs even in its non-CUDA build (plus libcurl and libnuma);
@@ -65,7 +67,7 @@ EOF
 vllm_venv() {  # $1: a vLLM version; makes (once) and prints the path of its venv
   local ver=$1 dir="$CACHE/vllm-$1" site
   site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  if [ ! -f "$dir/.mooncake_keys-ready" ]; then
+  if [ "$(cat "$dir/.mooncake_keys-ready" 2>/dev/null)" != "recipe $VLLM_VENV_RECIPE" ]; then
     echo "== building the vLLM $ver test venv in $dir (once; a few minutes)" >&2
     rm -rf "$dir"
     mkdir -p "$CACHE/wheels"
@@ -77,9 +79,15 @@ vllm_venv() {  # $1: a vLLM version; makes (once) and prints the path of its ven
     vllm_requirements "$wheel" >"$dir/requirements-light.txt"
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
     "$dir/bin/python" -c "import $VLLM_IMPORT" >/dev/null
-    touch "$dir/.mooncake_keys-ready"
+    echo "recipe $VLLM_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
   fi
   write_pth "$dir" "$site"  # this checkout's venv, wherever it is
+  # pip counted the packages of the project venv that built this venv as installed; this
+  # checkout's venv may lack some (a fresh clone has no asv, hence no PyYAML): add them here
+  # (about 5 s when nothing is missing), then check vLLM's lookup code imports.
+  "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
+  "$dir/bin/python" -c "import $VLLM_IMPORT" >/dev/null \
+    || { echo "error: vLLM $ver's lookup code does not import in $dir" >&2; return 1; }
   echo "$dir"
 }
 
