@@ -249,20 +249,21 @@ class LookupEngine(DeploymentViews):
                                len(results), len(keys))
                 return None
             flags = self._reduce(results, chunks)
-            if flags.find(0) >= 0:  # something is absent: say so if an error code is why
-                self._log_error_codes(results, flags, chunks)
+            first = flags.find(0)
+            if first >= 0:  # something is absent: say so if an error code is why
+                self._log_error_codes(results, first, chunks)
             return flags
         except Exception as exc:  # a list subclass that fails to iterate, ...
             logger.warning("lookup answered 0: the answer of batch_is_exist could not be read: %s: %s",
                            type(exc).__name__, exc)
             return None
 
-    def _log_error_codes(self, results: list, flags: Any, chunks: Sequence[int]) -> None:
-        """One warning line when the answers of the first absent chunk hold an error code.
+    def _log_error_codes(self, results: list, first: int, chunks: Sequence[int]) -> None:
+        """One warning line when the answers of chunk ``first`` (the first absent one, counted
+        across groups in key order) hold an error code.
 
         Only that chunk's answers are read (a few per lookup, whatever its size): a master that
         cannot answer answers every key so, and a code elsewhere does not end the hit there."""
-        first = flags.find(0)
         off = 0
         for g, c in enumerate(chunks):
             r = len(self.deployment.lookup_heads[g])
