@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["bool_arg", "int_arg", "str_arg", "text_arg", "seconds_arg", "MAX_TOKENS", "MAX_SECONDS"]
+__all__ = ["bool_arg", "int_arg", "str_arg", "text_arg", "seconds_arg", "utf8_encodable", "MAX_TOKENS", "MAX_SECONDS"]
 
 #: The largest token count or block size accepted anywhere: vLLM's lookup wire format carries
 #: token counts as u32, and no model comes near it.
@@ -39,14 +39,21 @@ def str_arg(name: str, value: Any) -> str:
     return value
 
 
+def utf8_encodable(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def text_arg(name: str, value: Any) -> str:
     """``value`` if it is a ``str`` that UTF-8 can encode (it becomes part of a store key or an
     address); else TypeError/ValueError. A lone surrogate would otherwise fail every call later."""
     str_arg(name, value)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} must be valid text (UTF-8 encodable), got {value!r}: {exc.reason}") from None
+    if not utf8_encodable(value):
+        raise ValueError(f"{name} must be valid text (UTF-8 encodable), got {value!r}: surrogates not allowed")
     return value
 
 

@@ -225,3 +225,11 @@ def test_the_exported_coordinator_checks_its_arguments():
     with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
         co.find_longest_cache_hit([[1]], 16)
     assert co.find_longest_cache_hit([b"\x01\x01\x00"], 48) == 32
+
+
+def test_key_metadata_refuses_text_utf8_cannot_encode():
+    for kw in (dict(model_name="\ud800"), dict(model_name="m", cache_prefix="\udcff"),
+               dict(model_name="m", store_namespace="@store_tp:\ud800")):
+        name = next(k for k, v in kw.items() if not v.isascii() or "\ud800" in v or "\udcff" in v)
+        with pytest.raises(ValueError, match=f"{name} must be valid text"):
+            mk.KeyMetadata(kw.pop("model_name"), 0, 0, 0, 0, **kw)

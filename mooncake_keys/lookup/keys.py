@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .._checks import int_arg, str_arg
+from .._checks import int_arg, str_arg, text_arg
 
 __all__ = ["KeyMetadata", "PoolKey", "model_name_from_path"]
 
@@ -38,9 +38,9 @@ class KeyMetadata:
     store_namespace: str = ""
 
     def __post_init__(self) -> None:
-        str_arg("model_name", self.model_name)
-        str_arg("cache_prefix", self.cache_prefix)
-        str_arg("store_namespace", self.store_namespace)
+        text_arg("model_name", self.model_name)
+        text_arg("cache_prefix", self.cache_prefix)
+        text_arg("store_namespace", self.store_namespace)
         for name in ("tp_rank", "pcp_rank", "dcp_rank", "pp_rank", "group_id"):
             int_arg(name, getattr(self, name), min=0)
 

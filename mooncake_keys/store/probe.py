@@ -22,6 +22,8 @@ import threading
 import urllib.request
 from typing import Callable, List, Optional, Tuple
 
+from .._checks import utf8_encodable
+
 __all__ = ["DEFAULT_PROBE_INTERVAL_S", "MasterProbe", "parse_master_address", "resolve_master"]
 
 logger = logging.getLogger("mooncake_keys.store")
@@ -54,17 +56,9 @@ def _split(hostport: str) -> Optional[Tuple[str, int]]:
     host, sep, port = hostport.strip().rpartition(":")
     # ASCII digits only (str.isdigit takes '²' and other scripts' digits), at most 5 of them.
     if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) \
-            or not 0 < int(port) < 65536 or not host.isprintable() or _unencodable(host):
+            or not 0 < int(port) < 65536 or not host.isprintable() or not utf8_encodable(host):
         return None
     return host.strip("[]"), int(port)
-
-
-def _unencodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def _etcd_leader(endpoint: str, cluster_id: str, timeout: float) -> Optional[str]:
