@@ -78,7 +78,6 @@ vllm_venv() {  # $1: a vLLM version; makes (once) and prints the path of its ven
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "$wheel" >&2
     vllm_requirements "$wheel" >"$dir/requirements-light.txt"
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
-    "$dir/bin/python" -c "import $VLLM_IMPORT" >/dev/null
     echo "recipe $VLLM_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
   fi
   write_pth "$dir" "$site"  # this checkout's venv, wherever it is

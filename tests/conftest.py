@@ -31,19 +31,19 @@ def pytest_configure(config):
     """
     if not os.environ.get("MK_REQUIRE_REAL"):
         return
-    import importlib.util
     import shutil
 
-    missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis")
-               if _find_spec(importlib.util, name) is None]
+    missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis") if _find_spec(name) is None]
     missing += [f"{exe} (executable)" for exe in ("etcd",) if shutil.which(exe) is None]
     if missing:
         raise pytest.UsageError(f"MK_REQUIRE_REAL=1 but these are missing: {', '.join(missing)}")
 
 
-def _find_spec(util, name):
+def _find_spec(name):
+    import importlib.util
+
     try:
-        return util.find_spec(name)
+        return importlib.util.find_spec(name)
     except ModuleNotFoundError:  # a missing parent package ("mooncake" for "mooncake.store")
         return None
 

@@ -23,7 +23,6 @@ The lookup engine and the KV pool are both built on one; neither reaches into th
 from __future__ import annotations
 
 import re
-
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, replace

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, List, Optional, Tuple
 
 from .._checks import bool_arg, seconds_arg, text_arg
-from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, check_client_env, parse_size, set_client_env
+from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, parse_size, set_client_env
 from .gate import CallGate, GateClosed
 from .keycheck import check_batch, check_key, check_keys
 from .lane import CallLane, LaneBusy, LaneTimeout
@@ -257,8 +257,7 @@ class MooncakeStore:
         for name, value in (("metadata_server", metadata_server), ("local_hostname", local_hostname),
                             ("protocol", protocol), ("device_name", device_name)):
             text_arg(name, value)
-        check_client_env(setup_retries, rpc_timeout_ms)
-        _check_timing(probe_interval_s, call_timeout_s)
+        _check_timing(probe_interval_s, call_timeout_s)  # setup_retries, rpc_timeout_ms: set_client_env
         segment, buffer, protocol = _client_memory(global_segment_size, local_buffer_size, protocol, lookup_only)
         set_client_env(local_hostname, setup_retries, rpc_timeout_ms)
         _warn_about_listeners(protocol)
