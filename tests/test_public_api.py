@@ -56,3 +56,13 @@ def test_the_vllm_dropin_says_what_to_install_when_vllm_is_missing():
     first, second = out.stdout.strip().splitlines()
     assert first.startswith("IMPORTERROR") and "pip install 'vllm==0.33.*'" in first
     assert second == "0"
+
+
+def test_the_version_is_written_once():
+    """``__version__`` is the one place; the package metadata reads it (pyproject's dynamic version)."""
+    from importlib import metadata
+    from pathlib import Path
+
+    assert metadata.version("mooncake-keys") == mk.__version__
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and mk.__version__ not in pyproject
