@@ -14,12 +14,12 @@ import mooncake_keys  # noqa: E402
 from mooncake_keys.lookup import _core  # noqa: E402
 
 try:
-    from mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
+    from support.mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
 except ImportError:  # the Mooncake I/O modules are optional
     pass
 
 
-from cores import NO_C_ENGINES  # noqa: E402
+from support.cores import NO_C_ENGINES  # noqa: E402
 
 
 def pytest_configure(config):

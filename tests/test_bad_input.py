@@ -178,7 +178,7 @@ def test_negative_and_unknown_codes_count_as_missing(impl, recording_store):
 
 
 def test_non_ascii_names_are_identical_on_both_cores(recording_store):
-    from cores import NO_C_ENGINES
+    from support.cores import NO_C_ENGINES
 
     if NO_C_ENGINES:
         pytest.skip(NO_C_ENGINES)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cores import CORE_C, CORE_PY
+from support.cores import CORE_C, CORE_PY
 
 pytestmark = pytest.mark.c_extension
 if CORE_C is None:

@@ -692,12 +692,12 @@ def test_round_trip_memory_store(impl, case):
 
 @pytest.fixture
 def real_store(request):
-    """The session's holder client of a real mooncake_master (tests/mooncake_fixtures.py)."""
+    """The session's holder client of a real mooncake_master (tests/support/mooncake_fixtures.py)."""
     pytest.importorskip("mooncake.store")
     try:
         return request.getfixturevalue("mooncake_store")
     except pytest.FixtureLookupError:
-        pytest.skip("the mooncake fixtures (tests/mooncake_fixtures.py) are not available")
+        pytest.skip("the mooncake fixtures (tests/support/mooncake_fixtures.py) are not available")
 
 
 @pytest.mark.mooncake

@@ -1,5 +1,5 @@
 """Random layouts, group mixes, hash lengths, names and existence: the compiled core, the pure
-core and the plain reference (tests/reference.py) must agree on every key and every hit."""
+core and the plain reference (tests/support/reference.py) must agree on every key and every hit."""
 
 import random
 
@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mooncake_keys as mk
-from reference import RefEngine
+from support.reference import RefEngine
 
 SETTINGS = settings(max_examples=int(__import__("os").environ.get("MK_EXAMPLES", "300")), deadline=None, suppress_health_check=list(HealthCheck))
 

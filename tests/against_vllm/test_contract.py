@@ -21,7 +21,7 @@ import pytest
 
 
 from mooncake_keys.vllm import harness as F  # noqa: E402
-from cases import AnswerStore, engine_for, random_cfg, random_request, random_store, sizes  # noqa: E402
+from support.vllm_cases import AnswerStore, engine_for, random_cfg, random_request, random_store, sizes  # noqa: E402
 
 F.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
 V033 = F.IS_033

@@ -18,7 +18,7 @@ import random
 import pytest
 
 from mooncake_keys.vllm import harness as F  # noqa: E402
-from cases import AnswerStore, random_cfg, random_request, random_store  # noqa: E402
+from support.vllm_cases import AnswerStore, random_cfg, random_request, random_store  # noqa: E402
 
 import mooncake_keys.vllm as mv  # noqa: E402
 from mooncake_keys.vllm.worker import FastLookup  # noqa: E402
