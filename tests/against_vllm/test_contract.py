@@ -20,11 +20,11 @@ from collections import Counter
 import pytest
 
 
-from mooncake_keys.vllm import harness as F  # noqa: E402
+from mooncake_keys.bench import vllm_workers  # noqa: E402
 from support.vllm_cases import AnswerStore, engine_for, random_cfg, random_request, random_store, sizes  # noqa: E402
 
-F.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
-V033 = F.IS_033
+vllm_workers.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
+V033 = vllm_workers.IS_033
 CASES = int(os.environ.get("MK_VLLM_CASES", "3000"))
 SEED0 = int(os.environ.get("MK_VLLM_SEED0", "0"))  # a held-out run: another range of seeds
 BATCHES = max(1, min(30, CASES))
@@ -52,12 +52,12 @@ def compare_one(seed: int, tally: Counter) -> None:
     cfg = random_cfg(rng, V033)
     probe = AnswerStore(lambda k: 0)
     try:
-        worker = F.build_worker(cfg, probe)
-    except F.ConfigRejected:
+        worker = vllm_workers.build_worker(cfg, probe)
+    except vllm_workers.ConfigRejected:
         tally["rejected by vLLM"] += 1
         return
     try:
-        described = F.describe(worker)
+        described = vllm_workers.describe(worker)
         if "coord" in described:  # our size resolution is vLLM's
             assert (described["coord"]["lcm_block_size"], described["coord"]["hash_block_size"]) == sizes(cfg, V033), cfg
         for _ in range(REQUESTS):
@@ -91,7 +91,7 @@ def compare_one(seed: int, tally: Counter) -> None:
             tally["hit"] += bool(got[0])
             tally["store calls"] += len(store.calls)
     finally:
-        F.release(worker)
+        vllm_workers.release(worker)
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))
