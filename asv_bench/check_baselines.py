@@ -21,7 +21,7 @@ reported in their own buckets instead of as failures:
   found the difference) mooncake_keys; a case lands here only when something else differs.
 
 Also checked: the stub answers of the benchmark scenarios are the same for every request of a
-scenario (the positional assumption ``common.StubStore`` relies on), and ``--dup`` probes
+scenario (the positional assumption ``common.stub_store`` relies on), and ``--dup`` probes
 requests that repeat a hash (vLLM chains hashes, so they never do).
 """
 
@@ -38,18 +38,6 @@ import mooncake_keys as mk
 from mooncake_keys.bench import baselines
 from mooncake_keys.bench import scenarios as common
 from mooncake_keys.lookup import _core
-
-
-class DictStore:
-    """``batch_is_exist`` from a dict key -> code (missing keys answer 0); records what was sent."""
-
-    def __init__(self, codes: Dict[str, Any]) -> None:
-        self.codes = codes
-        self.sent: List[List[str]] = []
-
-    def batch_is_exist(self, keys):
-        self.sent.append(list(keys))
-        return [self.codes.get(k, 0) for k in keys]
 
 
 def random_case(rng: random.Random, *, eagle_flag_probe: bool = False) -> dict:
@@ -136,7 +124,7 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
     """(keys sent, hit) per implementation variant; an exception is recorded as the hit."""
     out: Dict[str, Tuple[Any, Any]] = {}
     for state in ("seed", "pre"):
-        store = DictStore(codes)
+        store = mk.RecordingStore(present=codes)
         lk = baselines.make_lookup(case["model"], case["groups"], case["layout"], case["hbs"], case["use_eagle"],
                                    store, state=state, cache_prefix=case["cache_prefix"])
         try:
@@ -144,10 +132,10 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
                                                                    len(case["hashes"][0]) if case["hashes"] else 1))
         except Exception as exc:  # noqa: BLE001
             hit = f"{type(exc).__name__}"
-        out[state] = (store.sent[0] if store.sent else [], hit)
+        out[state] = (store.calls[0] if store.calls else [], hit)
     for impl in ("c", "py"):
         for cache in (common.DEFAULT_KEY_CACHE_BYTES, 0):
-            store = DictStore(codes)
+            store = mk.RecordingStore(present=codes)
             eng = mk.LookupEngine(case["model"], case["groups"], case["layout"], hash_block_size=case["hbs"],
                                   use_eagle=case["use_eagle"], cache_prefix=case["cache_prefix"], store=store,
                                   key_cache_bytes=cache, core=impl, strategy="oneshot")
@@ -158,12 +146,12 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
                 except Exception as exc:  # noqa: BLE001
                     hits.append(f"{type(exc).__name__}")
             keys = eng.candidate_keys(case["token_len"], case["hashes"]) if case["hashes"] else []
-            if any(sent != store.sent[0] for sent in store.sent[1:]):
+            if any(sent != store.calls[0] for sent in store.calls[1:]):
                 hits.append("keys of a repeated lookup differ from the first")
-            if store.sent and keys != store.sent[0]:
+            if store.calls and keys != store.calls[0]:
                 hits.append("candidate_keys differs from the keys sent")
             tag = f"{impl}{'' if cache else '-nocache'}"
-            out[tag] = (store.sent[0] if store.sent else [], hits[0] if len(set(map(str, hits))) == 1 else hits)
+            out[tag] = (store.calls[0] if store.calls else [], hits[0] if len(set(map(str, hits))) == 1 else hits)
     return out
 
 
@@ -176,7 +164,7 @@ def check_random(cases: int, seed: int, verbose: bool) -> Counter:
         case = random_case(rng, eagle_flag_probe=probe)
         r = len(baselines.lookup_namespaces(case["layout"]))
         # Keys from seed decide the store contents.
-        pre_store = DictStore({})
+        pre_store = mk.RecordingStore()
         lk = baselines.make_lookup(case["model"], case["groups"], case["layout"], case["hbs"], case["use_eagle"],
                                    pre_store, cache_prefix=case["cache_prefix"])
         keys = lk.candidate_keys(case["token_len"], case["hashes"]) if case["hashes"] else []
@@ -255,7 +243,7 @@ def check_duplicates(cases: int, seed: int) -> Counter:
             hs[rng.randrange(len(hs))] = hs[rng.randrange(len(hs))]
         r = len(baselines.lookup_namespaces(case["layout"]))
         lk = baselines.make_lookup(case["model"], case["groups"], case["layout"], case["hbs"], case["use_eagle"],
-                                   DictStore({}), cache_prefix=case["cache_prefix"])
+                                   mk.RecordingStore(), cache_prefix=case["cache_prefix"])
         keys = lk.candidate_keys(case["token_len"], hs)
         out = run_impls(case, random_codes(rng, keys, r))
         hits = {k: str(v[1]) for k, v in out.items()}

@@ -19,6 +19,7 @@ from .lookup.keys import KeyMetadata, PoolKey, model_name_from_path
 from .lookup.layout import ParallelLayout
 from .lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from .store.memory import MemoryStore
+from .store.recording import RecordingStore
 
 _LAZY = {  # heavier modules, imported on first use
     "KVPool": "kvpool",  # torch
@@ -79,6 +80,7 @@ __all__ = [
     "OpenStore",
     "ParallelLayout",
     "PoolKey",
+    "RecordingStore",
     "SaveResult",
     "SlidingWindowSpec",
     "TailKeyBoundary",

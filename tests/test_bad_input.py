@@ -143,28 +143,13 @@ def test_blob_errors():
         mk.BlockHashes.from_blob("abc", 1)
 
 
-class Raising:
-    def batch_is_exist(self, keys):
-        raise ConnectionError("master unreachable")
-
-
-class Short:
-    def batch_is_exist(self, keys):
-        return [1] * (len(keys) - 1)
-
-
-class NotAList:
-    def batch_is_exist(self, keys):
-        return None
-
-
-@pytest.mark.parametrize("store,cause", [
-    (Raising(), "ConnectionError: master unreachable"),
-    (Short(), "returned 3 results for 4 keys"),
-    (NotAList(), "returned NoneType"),
+@pytest.mark.parametrize("fault,cause", [
+    (ConnectionError("master unreachable"), "ConnectionError: master unreachable"),
+    ("short", "returned 3 results for 4 keys"),
+    ("not a list", "returned NoneType"),
 ])
-def test_store_faults_answer_zero_with_one_log_line(impl, caplog, store, cause):
-    e = make(store)
+def test_store_faults_answer_zero_with_one_log_line(impl, caplog, fault, cause):
+    e = make(mk.RecordingStore(1, fault=fault))
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert e.lookup(64, HS) == 0
     records = [r for r in caplog.records if r.name.startswith("mooncake_keys")]
@@ -206,7 +191,7 @@ def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store)
     e = make(st)
     assert e.lookup(64, HS) == 32
     assert e.lookup(64, []) == 0
-    f = make(Raising())
+    f = make(mk.RecordingStore(fault=ConnectionError("master unreachable")))
     f.lookup(64, HS)
     assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32)
     assert f.stats() == mk.LookupStats(lookups=1, store_calls=1, store_failures=1, keys_sent=4, hit_tokens=0)

@@ -71,25 +71,25 @@ def test_bad_budget():
         make(1.5)
 
 
-class RetainingStore:
-    """Keeps every other key list it is given (the list itself), and always its first string,
-    with snapshots of their contents."""
+def retaining_store():
+    """A store that keeps every other key list it is given (the list itself), and always its
+    first string, with snapshots of their contents; its own record would hold references to the
+    strings (which the core then leaves alone), so it keeps none."""
+    kept, firsts = [], []
 
-    def __init__(self):
-        self.kept = []
-        self.firsts = []
-
-    def batch_is_exist(self, keys):
-        if len(self.firsts) % 2 == 0:
-            self.kept.append((keys, [k.encode() for k in keys]))
-        self.firsts.append((keys[0], keys[0].encode()))
+    def answer(keys):
+        if len(firsts) % 2 == 0:
+            kept.append((keys, [k.encode() for k in keys]))
+        firsts.append((keys[0], keys[0].encode()))
         return [0] * len(keys)
+
+    return mk.RecordingStore(answer, record_keys=False), kept, firsts
 
 
 def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
     """The compiled core rewrites the last lookup's key strings that nothing else references.
     A store that keeps the lists (or single strings) it was given must never see them change."""
-    store = RetainingStore()
+    store, kept, firsts = retaining_store()
     e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     held = []
     for seed in range(12):
@@ -98,11 +98,11 @@ def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
         if seed % 3 == 0:
             held.append((e.candidate_keys(128, hs), list(want)))  # a caller keeping its keys
         assert e.lookup(128, hs) == 0
-        assert store.firsts[-1][0] == want[0]
-    assert len(store.kept) == 6 and len(store.firsts) == 12
-    for keys, snapshot in store.kept:
+        assert firsts[-1][0] == want[0]
+    assert len(kept) == 6 and len(firsts) == 12
+    for keys, snapshot in kept:
         assert [k.encode() for k in keys] == snapshot
-    for key, snapshot in store.firsts:
+    for key, snapshot in firsts:
         assert key.encode() == snapshot
     for keys, want in held:
         assert keys == want
@@ -123,12 +123,12 @@ def test_recycled_strings_hash_like_fresh_ones(impl):
 def test_the_compiled_core_rewrites_the_previous_lookups_strings(impl):
     seen = []
 
-    class IdStore:
-        def batch_is_exist(self, keys):
-            seen.append(([id(k) for k in keys], [k.encode() for k in keys]))  # no references kept
-            return [0] * len(keys)
+    def answer(keys):
+        seen.append(([id(k) for k in keys], [k.encode() for k in keys]))  # no references kept
+        return [0] * len(keys)
 
-    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=IdStore(), vllm_compat="0.25")
+    store = mk.RecordingStore(answer, record_keys=False)
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     e.lookup(128, hashes(300))
     spare_ids = {id(k) for k in e.key_cache._spare or ()}  # alive until the next lookup rewrites them
     e.lookup(128, hashes(301))

@@ -76,13 +76,14 @@ def pool(store, groups=(F(16),), layout=None, *, rank=(0, 0, 0, 0), kv_caches=No
                   hash_block_size=hash_block_size, store=store, **kw, vllm_compat="0.25")
 
 
-class FaultyStore(mk.MemoryStore):
-    """A MemoryStore whose calls can raise, answer given codes, or register with a given rc."""
+class FaultyIO(mk.MemoryStore):
+    """A MemoryStore whose puts, gets and buffer registrations can raise or answer given codes
+    (its ``batch_is_exist`` faults are ``mk.RecordingStore``'s, in front of it)."""
 
-    def __init__(self, *, put_codes=None, get_codes=None, raise_on=(), register_rc=None, results_len=None):
+    def __init__(self, *, put_codes=None, get_codes=None, raise_on=(), register_rc=None):
         super().__init__()
         self.put_codes, self.get_codes, self.raise_on = put_codes, get_codes, set(raise_on)
-        self.register_rc, self.results_len = register_rc, results_len
+        self.register_rc = register_rc
         self.registered: Dict[int, int] = {}
         self.unregistered: List[int] = []
 
@@ -99,11 +100,6 @@ class FaultyStore(mk.MemoryStore):
     def unregister_buffer(self, ptr):
         self.unregistered.append(ptr)
         return 0 if self.registered.pop(ptr, None) is not None else -600
-
-    def batch_is_exist(self, keys):
-        self._maybe_raise("batch_is_exist")
-        res = super().batch_is_exist(keys)
-        return res[: self.results_len] if self.results_len is not None else res
 
     def batch_put_from(self, keys, ptrs, sizes):
         self._maybe_raise("batch_put_from")
@@ -164,10 +160,11 @@ def test_save_floors_token_len_and_skips_chunks_without_a_hash(impl):
 
 
 def test_save_of_nothing_calls_no_store(impl):
-    st = FaultyStore(raise_on={"batch_is_exist", "batch_put_from"})
+    st = mk.RecordingStore(FaultyIO(raise_on={"batch_put_from"}), fault=ConnectionError("master unreachable"))
     with pool(st) as p:
         assert p.save(15, hashes_of(4), []).asked == 0  # floors to 0
         assert p.save(64, [], []).asked == 0
+    assert st.calls == []
 
 
 def test_save_stores_exactly_what_the_lookup_asks_hybrid(impl):
@@ -209,7 +206,7 @@ def test_put_striding_covers_every_chunk_exactly_once(impl, heads):
 
 
 def test_put_failures_are_reported_per_chunk(impl):
-    st = FaultyStore(put_codes=lambda keys: [-200 if i == 1 else 0 for i in range(len(keys))])
+    st = FaultyIO(put_codes=lambda keys: [-200 if i == 1 else 0 for i in range(len(keys))])
     hs = hashes_of(3)
     with pool(st) as p:
         res = p.save(48, hs, [0, 1, 2])
@@ -220,14 +217,17 @@ def test_put_failures_are_reported_per_chunk(impl):
 
 @pytest.mark.parametrize("method", ["batch_is_exist", "batch_put_from"])
 def test_save_store_exception_raises_a_clear_error(impl, method):
-    st = FaultyStore(raise_on={method})
+    if method == "batch_is_exist":
+        st = mk.RecordingStore(FaultyIO(), fault=ConnectionError("master unreachable"))
+    else:
+        st = FaultyIO(raise_on={method})
     with pool(st) as p:
         with pytest.raises(KVPoolStoreError, match=f"store.{method} of 2 keys raised ConnectionError"):
             p.save(32, hashes_of(2), [0, 1])
 
 
 def test_malformed_store_results_raise(impl):
-    st = FaultyStore(results_len=1)
+    st = mk.RecordingStore(mk.MemoryStore(), fault="short")
     with pool(st) as p:
         with pytest.raises(KVPoolStoreError, match="returned 1 results for 2 keys"):
             p.save(32, hashes_of(2), [0, 1])
@@ -281,7 +281,7 @@ def test_load_short_read_is_a_failure_and_zeroed(impl):
 
 
 def test_load_store_exception_zeroes_every_destination(impl):
-    st = FaultyStore(raise_on={"batch_get_into"})
+    st = FaultyIO(raise_on={"batch_get_into"})
     kv = random_cache(random.Random(6), 4, 64)
     with pool(st, kv_caches=kv) as p:
         with pytest.raises(KVPoolStoreError, match="batch_get_into of 2 keys raised ConnectionError"):
@@ -367,7 +367,7 @@ def test_load_with_too_few_hashes_is_not_ok(impl):
 
 
 def test_registers_once_per_memory_range_and_unregisters_on_close(impl):
-    st = FaultyStore()
+    st = FaultyIO()
     shared = random_cache(random.Random(0), 8, 64)
     other = random_cache(random.Random(1), 4, 32)
     with pool(st, [F(16), S(16, 32), F(32)], kv_caches=[shared, shared[2:], other]) as p:
@@ -383,7 +383,7 @@ def test_registers_once_per_memory_range_and_unregisters_on_close(impl):
 
 
 def test_register_failure_is_a_clear_error_and_undoes_the_rest(impl):
-    st = FaultyStore(register_rc=lambda n: -600 if n == 1 else 0)
+    st = FaultyIO(register_rc=lambda n: -600 if n == 1 else 0)
     kv = [random_cache(random.Random(0), 4, 64), random_cache(random.Random(1), 4, 64)]
     with pytest.raises(KVPoolError, match=r"register_buffer\(0x[0-9a-f]+, 256\).*returned -600"):
         pool(st, [F(16), F(32)], kv_caches=kv)

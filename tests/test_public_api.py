@@ -10,7 +10,7 @@ PUBLIC = [
     "KVPool", "KVPoolError", "KVPoolStoreError", "KeyCache", "KeyCacheStats", "KeyMetadata",
     "LoadResult", "LocalMaster", "LocalMasterError", "LookupEngine", "LookupResult", "LookupStats",
     "MemoryStore", "MooncakeStore", "MooncakeStoreConfig", "MooncakeStoreError", "MooncakeStoreUnavailable",
-    "OpenStore", "ParallelLayout", "PoolKey", "SaveResult", "SlidingWindowSpec", "TailKeyBoundary",
+    "OpenStore", "ParallelLayout", "PoolKey", "RecordingStore", "SaveResult", "SlidingWindowSpec", "TailKeyBoundary",
     "model_name_from_path", "open_store",
 ]
 

@@ -25,14 +25,6 @@ def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-class Answer:
-    def __init__(self, make):
-        self.make = make
-
-    def batch_is_exist(self, keys):
-        return self.make(keys)
-
-
 def engine(store, **kw):
     kw.setdefault("layout", mk.ParallelLayout(tp_size=2, num_kv_heads=2))
     return mk.LookupEngine("m", [F(16)], kw.pop("layout"), hash_block_size=16, store=store, **kw)
@@ -48,14 +40,13 @@ def test_1_an_answer_that_empties_itself_while_read_does_not_crash(core):
             def __init__(self, lst): self.lst = lst
             def __eq__(self, other): self.lst.clear(); return True
             __hash__ = object.__hash__
-        class Store:
-            def batch_is_exist(self, keys):
-                res = [1] * len(keys)
-                res[3] = Emptier(res)
-                return res
+        def answer(keys):
+            res = [1] * len(keys)
+            res[3] = Emptier(res)
+            return res
         try:
             e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2),
-                                hash_block_size=16, store=Store(), core={core!r})
+                                hash_block_size=16, store=mk.RecordingStore(answer), core={core!r})
         except ValueError as exc:  # no compiled core here
             print("SKIP", exc); raise SystemExit(0)
         print("HIT", e.lookup(128, [bytes([i]) * 16 for i in range(8)]))
@@ -127,7 +118,7 @@ ODD = {
 
 @pytest.mark.parametrize("kind", sorted(ODD))
 def test_4_an_answer_that_is_not_a_list_is_zero_with_one_line_on_both_cores(impl, kind, caplog):
-    e = engine(Answer(ODD[kind]))
+    e = engine(mk.RecordingStore(ODD[kind]))
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert e.lookup(128, HS) == 0
     lines = [r for r in caplog.records if r.name.startswith("mooncake_keys")]
@@ -136,15 +127,15 @@ def test_4_an_answer_that_is_not_a_list_is_zero_with_one_line_on_both_cores(impl
 
 def test_4_numpy_and_list_subclasses(impl, caplog):
     np = pytest.importorskip("numpy")
-    assert engine(Answer(lambda keys: np.ones(len(keys), dtype=np.int64))).lookup(128, HS) == 0
+    assert engine(mk.RecordingStore(lambda keys: np.ones(len(keys), dtype=np.int64))).lookup(128, HS) == 0
 
     class GetitemRaises(list):  # iteration does not use __getitem__: its items are read
         def __getitem__(self, i):
             raise RuntimeError("no")
 
-    assert engine(Answer(lambda keys: GetitemRaises([1] * len(keys)))).lookup(129, HS) == 128
-    assert engine(Answer(lambda keys: tuple([1] * len(keys)))).lookup(129, HS) == 128
-    assert engine(Answer(lambda keys: [np.int64(1)] * len(keys))).lookup(128, HS) == 0  # not an int
+    assert engine(mk.RecordingStore(lambda keys: GetitemRaises([1] * len(keys)))).lookup(129, HS) == 128
+    assert engine(mk.RecordingStore(lambda keys: tuple([1] * len(keys)))).lookup(129, HS) == 128
+    assert engine(mk.RecordingStore(lambda keys: [np.int64(1)] * len(keys))).lookup(128, HS) == 0  # not an int
 
 
 # ------------------------------------------------------------------ 5. work bounded by the hashes
@@ -191,15 +182,14 @@ def test_9_a_key_with_a_cached_wide_copy_is_never_rewritten(impl, tp):
 
     seen = []
 
-    class WideStore:
-        def batch_is_exist(self, keys):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                # Read through the wide copy; keep only bytes, so the strings stay rewritable.
-                seen.append([(k.encode(), _testcapi.getargs_u(k).encode()) for k in keys])
-            return [0] * len(keys)
+    def read_wide(keys):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # Read through the wide copy; keep only bytes, so the strings stay rewritable.
+            seen.append([(k.encode(), _testcapi.getargs_u(k).encode()) for k in keys])
+        return [0] * len(keys)
 
-    e = engine(WideStore(), layout=mk.ParallelLayout(tp_size=tp, num_kv_heads=tp))
+    e = engine(mk.RecordingStore(read_wide, record_keys=False), layout=mk.ParallelLayout(tp_size=tp, num_kv_heads=tp))
     for seed in range(4):
         e.lookup(128, [bytes([seed, i]) * 8 for i in range(8)])
     stale = [(k, w) for batch in seen for k, w in batch if k != w]
@@ -212,13 +202,12 @@ def test_9_a_key_whose_hash_was_computed_is_never_rewritten(impl):
     one, and ``hash(key)`` would disagree with an equal string's (a dict would miss it)."""
     checked = []
 
-    class HashingStore:
-        def batch_is_exist(self, keys):
-            for k in keys:
-                checked.append(hash(k) == hash(k.encode().decode()))  # a fresh, equal str
-            return [0] * len(keys)
+    def hashing(keys):
+        for k in keys:
+            checked.append(hash(k) == hash(k.encode().decode()))  # a fresh, equal str
+        return [0] * len(keys)
 
-    e = engine(HashingStore())
+    e = engine(mk.RecordingStore(hashing, record_keys=False))
     for seed in range(6):
         e.lookup(128, [bytes([seed, i]) * 8 for i in range(8)])
     assert checked and all(checked)
@@ -226,9 +215,10 @@ def test_9_a_key_whose_hash_was_computed_is_never_rewritten(impl):
 
 def test_9_non_ascii_heads_are_never_rewritten(impl):
     wide = mk.LookupEngine("модель", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2), hash_block_size=16,
-                           store=Answer(lambda keys: [0] * len(keys)))
+                           store=mk.RecordingStore(lambda keys: [0] * len(keys)))
     sent = []
-    wide.store = Answer(lambda keys: sent.append([k.encode() for k in keys]) or [0] * len(keys))
+    wide.store = mk.RecordingStore(lambda keys: sent.append([k.encode() for k in keys]) or [0] * len(keys),
+                                   record_keys=False)
     for seed in range(4):
         hashes = [bytes([seed, i]) * 8 for i in range(8)]
         wide.lookup(128, hashes)

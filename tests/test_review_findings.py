@@ -23,14 +23,6 @@ F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec
 HS = [bytes([i]) * 16 for i in range(8)]
 
 
-class Answer:
-    def __init__(self, make):
-        self.make = make
-
-    def batch_is_exist(self, keys):
-        return self.make(keys)
-
-
 # ------------------------------------------------------------ work bounded by the hashes
 @pytest.mark.parametrize("groups, sbs", [([F(1)], 2**24), ([F(2**31), S(1, 2)], None)])
 def test_a_scheduler_block_of_too_many_chunks_is_refused(groups, sbs):
@@ -92,7 +84,7 @@ def test_vllms_own_store_namespaces_are_accepted():
 # ------------------------------------------------------------ error codes say why
 def test_error_codes_that_end_the_hit_get_one_line(impl, caplog):
     e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2), hash_block_size=16,
-                        store=Answer(lambda keys: [-900] * len(keys)))
+                        store=mk.RecordingStore(-900))
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert e.lookup(128, HS) == 0
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("mooncake_keys")]
@@ -100,7 +92,7 @@ def test_error_codes_that_end_the_hit_get_one_line(impl, caplog):
     caplog.clear()
     # A code past the first absent chunk does not end the hit there: no line.
     e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2), hash_block_size=16,
-                        store=Answer(lambda keys: [1, 1, 0, 1] + [-900] * (len(keys) - 4)))
+                        store=mk.RecordingStore(lambda keys: [1, 1, 0, 1] + [-900] * (len(keys) - 4)))
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert e.lookup(128, HS) == 16
     assert not [r for r in caplog.records if r.name.startswith("mooncake_keys")]

@@ -28,7 +28,7 @@ import mooncake_keys as mk
 
 from . import scenarios as common
 
-__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "CountingStore", "MasterSession", "available_impls",
+__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "MasterSession", "available_impls",
            "run_on_master", "format_table", "check_targets", "plot", "store_keys"]
 
 #: Fractions of the prefix stored.
@@ -42,22 +42,6 @@ MISS_MS_TARGET = 2.0
 FULL_HIT_RATIO_TARGET = 1.1
 
 Progress = Optional[Callable[[str], Any]]
-
-
-class CountingStore:
-    """Passes ``batch_is_exist`` on, counting calls and keys."""
-
-    mutates_keys = False
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.calls = 0
-        self.keys = 0
-
-    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
-        self.calls += 1
-        self.keys += len(keys)
-        return self.store.batch_is_exist(keys)
 
 
 def store_keys(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4096) -> None:
@@ -75,7 +59,8 @@ class _Runner:
 
     def __init__(self, impl: str, scenario: common.Scenario, store: Any) -> None:
         self.impl = impl
-        self.counter = CountingStore(store)
+        #: Passes ``batch_is_exist`` on to the lookup-only client, counting calls and keys.
+        self.counter = mk.RecordingStore(store, record_keys=False)
         if impl == "vllm":
             from .vllm_baseline import VllmLookup
 
@@ -191,9 +176,9 @@ def _measure(sname: str, fraction: float, stored: int, req: common.Request, runn
     hits: Dict[str, int] = {}
     counts: Dict[str, tuple] = {}
     for impl, r in runners.items():  # once untimed: the answer, the keys and calls of one lookup
-        c0, k0 = r.counter.calls, r.counter.keys
+        c0, k0 = r.counter.num_calls, r.counter.keys_asked
         hits[impl] = r.lookup(req)
-        counts[impl] = (r.counter.calls - c0, r.counter.keys - k0)
+        counts[impl] = (r.counter.num_calls - c0, r.counter.keys_asked - k0)
     if len(set(hits.values())) != 1:
         raise RuntimeError(f"scenario {sname}, {fraction:.0%} stored: implementations disagree: {hits}")
     times: Dict[str, List[float]] = {impl: [] for impl in runners}

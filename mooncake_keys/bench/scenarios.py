@@ -18,7 +18,7 @@ Vocabulary (sizes in tokens unless said otherwise):
 * *warm* = the same request again, in steady state (looked up twice before timing, so that the
   key cache holds it).
 
-:class:`StubStore` answers ``batch_is_exist`` with one precomputed list, so that only client-side
+:func:`stub_store` answers ``batch_is_exist`` with one precomputed list, so that only client-side
 work is timed. The list is computed once per scenario by a real set-membership pass over the keys
 of a request (the keys of the stored prefix are put in a set, then every key is looked up). The
 answer depends only on the position of a key (group, chunk, namespace), never on the hash, so
@@ -34,7 +34,7 @@ import math
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mooncake_keys as mk
 
@@ -42,7 +42,7 @@ from . import baselines
 from ..lookup import _core
 
 __all__ = [
-    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "StubStore", "Impl",
+    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "stub_store", "Impl",
     "build_impl", "grid_scenario", "make_request", "count_keys",
     "membership_answer", "memo", "Bench", "lookup_bench", "prime", "burn_in", "BenchState",
 ]
@@ -181,7 +181,7 @@ def _keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     if _core.ACCELERATED:
         eng = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
                               hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                              store=StubStore([]), key_cache_bytes=0, spare_key_bytes=0)
+                              store=mk.RecordingStore(), key_cache_bytes=0, spare_key_bytes=0)
         return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))
     return _baseline(scenario).candidate_keys(token_len, baselines.BlobBlockHashes(request.blob, request.hash_len))
 
@@ -207,21 +207,10 @@ def membership_answer(scenario: Scenario, request: Request, *, isolate: bool = F
         return pool.apply(_membership_answer, (scenario, request))
 
 
-class StubStore:
-    """``batch_is_exist`` returns ``answer`` (the same list object every time) after a length check."""
-
-    #: ``batch_is_exist`` neither changes nor keeps the key list it is given.
-    mutates_keys = False
-
-    def __init__(self, answer: List[int]) -> None:
-        self.answer = answer
-        self.calls = 0
-
-    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
-        self.calls += 1
-        if len(keys) != len(self.answer):
-            raise ValueError(f"StubStore: {len(keys)} keys asked, answer holds {len(self.answer)}")
-        return self.answer
+def stub_store(answer: List[int]) -> mk.RecordingStore:
+    """A store answering ``answer`` (the very list) to every call, counting calls and keys
+    without recording them: only client-side work is timed."""
+    return mk.RecordingStore(answer, record_keys=False)
 
 
 # ------------------------------------------------------------------------------------ impls
@@ -341,7 +330,7 @@ def lookup_bench(impl: str, scenario: Scenario, *, isolate: bool = False, answer
     """
     first = make_request(scenario, 0)
     ans = membership_answer(scenario, first, isolate=isolate) if answer else []
-    store = StubStore(ans)
+    store = stub_store(ans)
     return Bench(scenario, build_impl(impl, scenario, store, key_cache_bytes), store, [first], ans)
 
 

@@ -8,7 +8,7 @@ seen, made before the timer, plan caches cleared; warm: the same request again, 
 state) each implementation is timed in turn, interleaved round after round, so that a noisy
 machine slows all of them alike. A sample is a batch of lookups timed with
 ``time.perf_counter_ns`` (GC off, as ``timeit`` does); the figure kept is the median over
-``repeat`` rounds. The store is ``common.StubStore``: only client-side work
+``repeat`` rounds. The store is ``scenarios.stub_store``: only client-side work
 (key building, reduction, coordinator) is timed.
 """
 
@@ -99,7 +99,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     for sname in scenarios:
         sc = common.STANDARD[sname]
         first = common.make_request(sc, 0)
-        store = common.StubStore(common.membership_answer(sc, first))
+        store = common.stub_store(common.membership_answer(sc, first))
         runners = {impl: common.build_impl(impl, sc, store) for impl in impls}
         keys = len(store.answer)
         hits = {}

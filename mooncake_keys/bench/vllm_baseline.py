@@ -77,19 +77,13 @@ class VllmLookup:
         return self.worker.lookup(token_len, self._view(memoryview(blob), hash_len)).hit_length
 
     def candidate_keys(self, token_len: int, blob: bytes, hash_len: int) -> list:
-        """The keys vLLM's lookup sends (its one ``batch_is_exist``), recorded on a stub."""
+        """The keys vLLM's lookup sends (its one ``batch_is_exist``), recorded on a store double."""
+        from ..store.recording import RecordingStore
+
         saved = self.worker.store
-
-        class Recorder:
-            keys: list = []
-
-            def batch_is_exist(self, keys: Any) -> list:
-                Recorder.keys = list(keys)
-                return [0] * len(keys)
-
-        self.worker.store = Recorder()
+        recorder = self.worker.store = RecordingStore()
         try:
             self.worker.lookup(token_len, self._view(memoryview(blob), hash_len))
         finally:
             self.worker.store = saved
-        return Recorder.keys
+        return recorder.calls[-1] if recorder.calls else []

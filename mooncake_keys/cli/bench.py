@@ -85,7 +85,7 @@ def sweep(repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
     for n in SWEEP_HASHES:
         sc = common.grid_scenario(n, 8, "full", 32)
         first = common.make_request(sc, 0)
-        store = common.StubStore(common.membership_answer(sc, first))
+        store = common.stub_store(common.membership_answer(sc, first))
         runners = {impl: common.build_impl(impl, sc, store) for impl in impls}
         keys = len(store.answer)
         best = {impl: math.inf for impl in impls}

@@ -19,9 +19,9 @@ from collections import Counter
 
 import pytest
 
-
-from mooncake_keys.bench import vllm_workers  # noqa: E402
-from support.vllm_cases import AnswerStore, engine_for, random_cfg, random_request, random_store, sizes  # noqa: E402
+import mooncake_keys as mk
+from mooncake_keys.bench import vllm_workers
+from support.vllm_cases import engine_for, random_cfg, random_request, random_store, same_answers, sizes
 
 vllm_workers.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
 V033 = vllm_workers.IS_033
@@ -50,7 +50,7 @@ def ours(engine, num_tokens, hashes):
 def compare_one(seed: int, tally: Counter) -> None:
     rng = random.Random(f"contract:{seed}")
     cfg = random_cfg(rng, V033)
-    probe = AnswerStore(lambda k: 0)
+    probe = mk.RecordingStore()
     try:
         worker = vllm_workers.build_worker(cfg, probe)
     except vllm_workers.ConfigRejected:
@@ -63,7 +63,7 @@ def compare_one(seed: int, tally: Counter) -> None:
         for _ in range(REQUESTS):
             num_tokens, hashes = random_request(rng, cfg, V033)
             store = random_store(rng, hashes, cfg)
-            mine = AnswerStore(store.answer, store.fault)
+            mine = same_answers(store)
             engine = engine_for(cfg, V033, mine, described, strategy="oneshot")
             worker.store = store
             want = vllm_answer(worker, num_tokens, hashes)
@@ -82,7 +82,7 @@ def compare_one(seed: int, tally: Counter) -> None:
             assert mine.calls == store.calls, ("keys sent differ", context, described.get("lookup_key_prefixes"))
             assert got == want, ("answers differ", context, got, want)
             # Asked in rounds (at any size): the same answer from no more keys.
-            asked = AnswerStore(store.answer, store.fault)
+            asked = same_answers(store)
             in_rounds = engine_for(cfg, V033, asked, described, rounds_min_keys=0)
             assert ours(in_rounds, num_tokens, hashes) == want, ("rounds differ", context)
             assert sum(map(len, asked.calls)) <= sum(map(len, store.calls))

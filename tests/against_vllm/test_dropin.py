@@ -17,11 +17,11 @@ import random
 
 import pytest
 
-from mooncake_keys.bench import vllm_workers  # noqa: E402
-from support.vllm_cases import AnswerStore, random_cfg, random_request, random_store  # noqa: E402
-
-import mooncake_keys.vllm as mv  # noqa: E402
-from mooncake_keys.vllm.worker import FastLookup  # noqa: E402
+import mooncake_keys as mk
+import mooncake_keys.vllm as mv
+from mooncake_keys.bench import vllm_workers
+from mooncake_keys.vllm.worker import FastLookup
+from support.vllm_cases import random_cfg, random_request, random_store, same_answers
 
 vllm_workers.quiet(logging.CRITICAL)
 CASES = int(os.environ.get("MK_VLLM_DROPIN_CASES", "1500"))
@@ -54,14 +54,14 @@ def test_accelerated_worker_answers_as_vllm(batch):
         rng = random.Random(f"dropin:{seed}")
         cfg = random_cfg(rng, vllm_workers.IS_033)
         try:
-            worker = vllm_workers.build_worker(cfg, AnswerStore(lambda k: 0))
+            worker = vllm_workers.build_worker(cfg, mk.RecordingStore())
         except vllm_workers.ConfigRejected:
             continue
         try:
             requests = [random_request(rng, cfg, vllm_workers.IS_033) for _ in range(4)]
             plans = [random_store(rng, hashes, cfg) for _, hashes in requests]
-            theirs = [AnswerStore(p.answer, p.fault) for p in plans]
-            ours = [AnswerStore(p.answer, p.fault) for p in plans]
+            theirs = [same_answers(p) for p in plans]
+            ours = [same_answers(p) for p in plans]
             want = answers(worker, requests, theirs)
             want_records = lookup_records(worker)
             original = worker.lookup
@@ -87,7 +87,7 @@ def test_accelerated_worker_answers_as_vllm(batch):
             worker.kv_connector_stats.reset()
             assert mv.accelerate_worker(worker, strategy="rounds"), cfg
             worker.lookup.engine.rounds_min_keys = 0
-            in_rounds = [AnswerStore(p.answer, p.fault) for p in plans]
+            in_rounds = [same_answers(p) for p in plans]
             got = answers(worker, requests, in_rounds)
             for w, g, t, o, p in zip(want, got, theirs, in_rounds, plans):
                 if p.fault == "short":
@@ -112,7 +112,7 @@ def test_accelerated_worker_answers_as_vllm(batch):
 def test_what_cannot_be_expressed_keeps_vllms_lookup(group, caplog):
     cfg = {"groups": [{"type": "full", "block_size": 16}, group], "reuse_model_config": True}
     try:
-        worker = vllm_workers.build_worker(cfg, AnswerStore(lambda k: 1))
+        worker = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
     except vllm_workers.ConfigRejected as exc:
         pytest.skip(f"vLLM {vllm_workers.VLLM_VERSION} refuses it: {exc}")
     original = worker.lookup
@@ -132,10 +132,10 @@ def test_the_factory_resolves_the_connector_and_accelerates_rank_0():
            "tp_size": 2, "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
     vllm_config, _ = vllm_workers.build_configs(cfg)
     assert KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config) is mv.FastMooncakeStoreConnector
-    rank0 = vllm_workers.build_worker(cfg, AnswerStore(lambda k: 1))
+    rank0 = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
     assert type(rank0._built_connector) is mv.FastMooncakeStoreConnector
     assert isinstance(rank0.lookup, FastLookup)
-    other = vllm_workers.build_worker({**cfg, "tp_rank": 1}, AnswerStore(lambda k: 1))
+    other = vllm_workers.build_worker({**cfg, "tp_rank": 1}, mk.RecordingStore(1))
     assert not isinstance(other.lookup, FastLookup)  # only rank 0 answers lookups
     hashes = [bytes([i]) * 32 for i in range(4)]
     full = 48 if vllm_workers.IS_033 else 64  # 0.33 recomputes the last block of a full hit
@@ -159,10 +159,10 @@ def test_the_wire_view_of_hashes_is_read_without_a_copy():
 def test_the_lookup_strategy_comes_from_the_connector_config():
     base = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
             "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
-    default = vllm_workers.build_worker(base, AnswerStore(lambda k: 1))
-    rounds = vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "rounds"}}, AnswerStore(lambda k: 1))
+    default = vllm_workers.build_worker(base, mk.RecordingStore(1))
+    rounds = vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "rounds"}}, mk.RecordingStore(1))
     assert default.lookup.engine.strategy == "oneshot" and rounds.lookup.engine.strategy == "rounds"
     vllm_workers.release(default)
     vllm_workers.release(rounds)
     with pytest.raises(ValueError, match="lookup_strategy.*must be one of"):
-        vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, AnswerStore(lambda k: 1))
+        vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, mk.RecordingStore(1))
