@@ -11,7 +11,7 @@ reported in their own buckets instead of as failures:
 
 * ``seed-raises``: vLLM's sliding-window manager indexes one chunk hash per block up to
   ``max_length // block_size`` and raises IndexError when ``token_len`` asks for more tokens
-  than the hashes cover (spec sections 7.4 and 11): in a sliding-window-only config, and also
+  than the hashes cover (docs/architecture.md lists it among the differences): in a sliding-window-only config, and also
   in a hybrid one under EAGLE, whose one-block look-ahead (``min(cur + bs, max_length)``) takes
   the sliding-window group past the hashes even after a full-attention miss. mooncake_keys
   counts the missing chunks as absent instead. The scheduler never asks for more tokens than
@@ -21,7 +21,7 @@ reported in their own buckets instead of as failures:
   found the difference) mooncake_keys; a case lands here only when something else differs.
 
 Also checked: the stub answers of the benchmark scenarios are the same for every request of a
-scenario (the positional assumption ``common.stub_store`` relies on), and ``--dup`` probes
+scenario (the positional assumption ``scenarios.stub_store`` relies on), and ``--dup`` probes
 requests that repeat a hash (vLLM chains hashes, so they never do).
 """
 
@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mooncake_keys as mk
 from mooncake_keys.bench import baselines
-from mooncake_keys.bench import scenarios as common
+from mooncake_keys.bench import scenarios
 from mooncake_keys.bench import sidebyside
 from mooncake_keys.lookup import _core
 
@@ -136,7 +136,7 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
             hit = f"{type(exc).__name__}"
         out[state] = (store.calls[0] if store.calls else [], hit)
     for impl in ("c", "py"):
-        for cache in (common.DEFAULT_KEY_CACHE_BYTES, 0):
+        for cache in (scenarios.DEFAULT_KEY_CACHE_BYTES, 0):
             store = mk.RecordingStore(present=codes)
             eng = mk.LookupEngine(case["model"], case["groups"], case["layout"], hash_block_size=case["hbs"],
                                   use_eagle=case["use_eagle"], cache_prefix=case["cache_prefix"], store=store,
@@ -207,18 +207,18 @@ def check_random(cases: int, seed: int, verbose: bool) -> Counter:
 def check_scenario_answers() -> List[str]:
     """The stub's answer must not depend on which request of a scenario is asked."""
     problems = []
-    scenarios = list(common.STANDARD.values()) + [
-        common.grid_scenario(256, r, g, h) for r in (1, 8, 32) for g in common.GROUPS for h in (16, 32)]
-    for sc in scenarios:
-        a0 = common.membership_answer(sc, common.make_request(sc, 0))
-        a1 = common.membership_answer(sc, common.make_request(sc, 1))
+    checked = list(scenarios.STANDARD.values()) + [
+        scenarios.grid_scenario(256, r, g, h) for r in (1, 8, 32) for g in scenarios.GROUPS for h in (16, 32)]
+    for sc in checked:
+        a0 = scenarios.membership_answer(sc, scenarios.make_request(sc, 0))
+        a1 = scenarios.membership_answer(sc, scenarios.make_request(sc, 1))
         if a0 != a1:
             problems.append(f"{sc.name}: answers of requests 0 and 1 differ")
         # and every impl sends the same keys and finds the same hit on it
         hits = {}
         keys = {}
-        for impl in sidebyside.available(common.IMPLS):
-            b = common.lookup_bench(impl, sc)
+        for impl in sidebyside.available(scenarios.IMPLS):
+            b = scenarios.lookup_bench(impl, sc)
             keys[impl] = tuple(b.impl.candidate_keys(b.pool[0]))
             hits[impl] = b.impl.lookup(b.pool[0])
             if impl in ("c", "py"):  # the second sight, and a memoised third, answer the same

@@ -1,4 +1,4 @@
-"""The key grammar (spec section 2) and the core's key building."""
+"""The key grammar (lookup/keys.py) and the core's key building."""
 
 import dataclasses
 from array import array

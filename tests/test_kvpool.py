@@ -168,7 +168,7 @@ def test_save_of_nothing_calls_no_store(impl):
 
 
 def test_save_stores_exactly_what_the_lookup_asks_hybrid(impl):
-    """Full(32) + SWA(8, 8), lcm 32: SWA chunks 3, 7, 11 (spec §12), full chunks 0..2."""
+    """Full(32) + SWA(8, 8), lcm 32: SWA chunks 3, 7, 11 (the lookup mask), full chunks 0..2."""
     store = mk.MemoryStore()
     groups = [F(32), S(8, 8)]
     hs = hashes_of(12)
@@ -291,7 +291,7 @@ def test_load_store_exception_zeroes_every_destination(impl):
 
 def test_load_sliding_window_reads_only_the_window_before_the_end(impl):
     """Full(32) + SWA(8, 8): a load of 96 needs full chunks 0..2 and SWA chunk 11 only; the SWA
-    keys of earlier boundaries may be gone (a lookup still reports 96, spec §14.1)."""
+    keys of earlier boundaries may be gone (a lookup still reports 96)."""
     store = mk.MemoryStore()
     groups = [F(32), S(8, 8)]
     hs = hashes_of(12)

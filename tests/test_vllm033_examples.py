@@ -2,7 +2,7 @@
 
 Every expected value here was produced by vLLM 0.33.0's ``MooncakeStoreWorker.lookup`` built
 by its own ``__init__`` (only the GPU, rank and store parts replaced); the generated
-comparison against the real package lives in ``tests/vllm/``. These are the readable cases.
+comparison against the real package lives in ``tests/against_vllm/``. These are the readable cases.
 Model ``test-model``. vLLM's examples used hashes ``h(i)``, whose lengths differ
 past ``h9``; mooncake_keys wants hashes of one length (vLLM's wire format has one ``hash_len``),
 so these use ``h(i) = f"h{i:02d}".encode()``: the same structure, other hex.

@@ -43,7 +43,7 @@ from ..lookup import _core
 
 __all__ = [
     "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "stub_store", "Impl",
-    "build_impl", "grid_scenario", "make_request", "count_keys",
+    "build_impl", "grid_scenario", "make_request", "count_keys", "keys_of",
     "membership_answer", "memo", "Bench", "lookup_bench", "prime", "burn_in", "BenchState",
 ]
 
@@ -107,7 +107,7 @@ class Scenario:
         return len(self.layout.lookup_namespaces())
 
 
-#: The standard scenarios of the issue; token_len = hashes * 64.
+#: The standard scenarios (docs/benchmarks.md); token_len = hashes * 64.
 STANDARD: Dict[str, Scenario] = {
     # (a) Full(64), TP 4 x PP 2, 8 KV heads: 8 namespaces; 2,048 hashes of 32 B.
     "a": Scenario("a", tuple(GROUPS["full"][0]()), mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8),
@@ -172,9 +172,9 @@ def count_keys(scenario: Scenario) -> int:
 
 
 # ------------------------------------------------------------------------------------ store
-def _keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
+def keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     """The keys a lookup of ``token_len`` tokens of ``request`` sends. Built by mooncake_keys
-    when it has its compiled core (fast), else by the seed baseline: the two give the very same
+    when it has its compiled core (fast), else by the ``seed`` baseline (:mod:`.baselines`): the two give the very same
     strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
     if token_len <= 0:
         return []
@@ -187,8 +187,8 @@ def _keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
 
 
 def _membership_answer(scenario: Scenario, request: Request) -> List[int]:
-    stored = set(_keys_of(scenario, request, scenario.present_token_len))
-    return [1 if k in stored else 0 for k in _keys_of(scenario, request, request.token_len)]
+    stored = set(keys_of(scenario, request, scenario.present_token_len))
+    return [1 if k in stored else 0 for k in keys_of(scenario, request, request.token_len)]
 
 
 def membership_answer(scenario: Scenario, request: Request, *, isolate: bool = False) -> List[int]:

@@ -20,12 +20,13 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..bench import scenarios as common
+from ..bench.scenarios import (STANDARD, build_impl, burn_in, grid_scenario, lookup_bench, make_request,
+                               membership_answer, prime, stub_store)
 from ..bench import sidebyside
 from ..lookup import _core
 
 IMPLS = ("c", "py", "seed", "pre", "vllm")
-#: (mode, impl, scenarios, at least this many times faster than vLLM 0.33): issue 10's targets.
+#: (mode, impl, scenarios, at least this many times faster than vLLM 0.33): the targets of docs/benchmarks.md.
 TARGETS = (("cold", "c", "abcde", 20.0), ("warm", "c", "abcde", 60.0), ("cold", "c", "d", 15.0),
            ("cold", "py", "abcde", 2.0))
 SWEEP_HASHES = (256, 1024, 4096, 16384)  # x 8 namespaces: 2k .. 131k keys per lookup
@@ -83,14 +84,14 @@ def sweep(repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
     out: Dict[str, List[tuple]] = {impl: [] for impl in IMPLS}
     impls = sidebyside.available(IMPLS)
     for n in SWEEP_HASHES:
-        sc = common.grid_scenario(n, 8, "full", 32)
-        first = common.make_request(sc, 0)
-        store = common.stub_store(common.membership_answer(sc, first))
-        runners = {impl: common.build_impl(impl, sc, store) for impl in impls}
+        sc = grid_scenario(n, 8, "full", 32)
+        first = make_request(sc, 0)
+        store = stub_store(membership_answer(sc, first))
+        runners = {impl: build_impl(impl, sc, store) for impl in impls}
         keys = len(store.answer)
         best = {impl: math.inf for impl in impls}
         for rnd in range(repeat):
-            reqs = [common.make_request(sc, 1 + rnd * 4 + i) for i in range(3 if n <= 4096 else 1)]
+            reqs = [make_request(sc, 1 + rnd * 4 + i) for i in range(3 if n <= 4096 else 1)]
             for impl, runner in runners.items():
                 ns, _ = sidebyside._sample_ns(runner, reqs, cold=True)
                 best[impl] = min(best[impl], ns / len(reqs))
@@ -102,7 +103,7 @@ def sweep(repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
 
 #: Hashes per lookup of the scaling check, x 8 namespaces: ~10k, ~131k and ~1M keys.
 SCALING_HASHES = (1280, 16384, 131072)
-#: Issue 10's scaling target: ns per key at ~1M keys at most this many times that at ~10k.
+#: The scaling target (docs/benchmarks.md): ns per key at ~1M keys at most this many times that at ~10k.
 SCALING_TARGET = 2.0
 
 
@@ -113,10 +114,10 @@ def scaling(repeat: int, bar: _Bar) -> List[Dict[str, Any]]:
     rows = []
     impl = "c" if _core._core_c is not None else "py"
     for n in SCALING_HASHES:
-        sc = common.grid_scenario(n, 8, "full", 32)
-        b = common.lookup_bench(impl, sc)
-        common.prime(b, b.impl.lookup)
-        common.burn_in(b, b.impl.lookup)
+        sc = grid_scenario(n, 8, "full", 32)
+        b = lookup_bench(impl, sc)
+        prime(b, b.impl.lookup)
+        burn_in(b, b.impl.lookup)
         keys = len(b.answer)
         batch = max(1, min(20, 200_000 // keys))
         samples: Dict[str, List[float]] = {"cold": [], "warm": []}
@@ -239,7 +240,7 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = "docs/ns_per_key.png",
     missing = unavailable()
     if missing:
         out(f"note: no vLLM 0.33 baseline in this run: {missing}")
-    bar = _Bar(len(common.STANDARD) * (repeat + 1) + len(SWEEP_HASHES) + len(SCALING_HASHES))
+    bar = _Bar(len(STANDARD) * (repeat + 1) + len(SWEEP_HASHES) + len(SCALING_HASHES))
     t0 = time.perf_counter()
     rows = sidebyside.run_standard(repeat=repeat, progress=bar.step)
     points = sweep(max(2, repeat // 2), bar)
