@@ -128,8 +128,8 @@ def test_keys_are_the_grammar_of_the_writer_namespace(impl):
     lay = mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=2)
     hs = hashes_of(4)
     with pool(store, layout=lay, rank=(3, 0, 0, 1), cache_prefix="depA") as p:
-        assert p.namespace == (1, 0, 0, 1)
-        assert p.prefixes == ("depA@m@tp_rank:1@pcp0@dcp0@pp_rank:1@group:0",)
+        assert p.writer_namespace == (1, 0, 0, 1)
+        assert p.writer_prefixes == ("depA@m@tp_rank:1@pcp0@dcp0@pp_rank:1@group:0",)
         res = p.save(64, hs, [0, 1, 2, 3])
     # Stripe of tp 3 with put_step 2, group 0: chunks j with j % 2 == 1.
     assert res.chunks == ((1, 3),)
@@ -197,8 +197,8 @@ def test_put_striding_covers_every_chunk_exactly_once(impl, heads):
             for g, cs in enumerate(res.chunks):
                 for j in cs:
                     assert j % lay.put_step == (r[0] + g) % lay.put_step
-                    assert (p.namespace[0], g, j) not in seen
-                    seen[(p.namespace[0], g, j)] = r[0]
+                    assert (p.writer_namespace[0], g, j) not in seen
+                    seen[(p.writer_namespace[0], g, j)] = r[0]
     assert set(seen) == {(ns, g, j) for ns in range(heads) for g, n in ((0, 8), (1, 4)) for j in range(n)}
     eng = mk.LookupEngine("m", groups, lay, hash_block_size=16, store=store, vllm_compat="0.25")
     assert set(store.keys()) == set(eng.candidate_keys(128, hs))
@@ -452,7 +452,7 @@ def test_bad_rank():
     with pytest.raises(TypeError, match=r"rank must be a \(tp, pcp, dcp, pp\) tuple"):
         pool(store, layout=lay, rank=0)
     with pool(store, layout=lay, rank=[3, 0, 1, 0]) as p:
-        assert p.namespace == (3, 0, 1, 0)
+        assert p.writer_namespace == (3, 0, 1, 0)
 
 
 def test_bad_deployment_and_store():
@@ -651,7 +651,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
             _, pcp, dcp, pp = r
 
             def expected(g: int, j: int) -> bytes:  # the writer of the chunk under the A+ stripe
-                writer = (rk.pool.namespace[0] * ps + (j - g) % ps, pcp, dcp, pp)
+                writer = (rk.pool.writer_namespace[0] * ps + (j - g) % ps, pcp, dcp, pp)
                 return ranks[writer].saved[(g, j)]
 
             # No false hit: the hit loads on every rank, with the writer's bytes.
@@ -676,7 +676,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
                         assert got == expected(g, c.chunk_id)
                     else:
                         assert c.code == OBJECT_NOT_FOUND and got == bytes(len(got))
-                        assert key_of("Model-X", rk.pool.namespace, g, hs[
+                        assert key_of("Model-X", rk.pool.writer_namespace, g, hs[
                             (c.chunk_id + 1) * groups[g].spec.block_size // case.hash_block_size - 1], prefix) in removed
 
 

@@ -67,9 +67,8 @@ class _Runner:
             vllm = VllmLookup(scenario, self.counter)
             self.lookup = lambda req: vllm.lookup(req.token_len, req.blob, req.hash_len)
         else:
-            engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
-                                     hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                                     store=self.counter, strategy=impl, key_cache_bytes=0)
+            engine = mk.LookupEngine.for_deployment(scenario.deployment(), store=self.counter, strategy=impl,
+                                                    key_cache_bytes=0)
             self.lookup = lambda req: engine.lookup(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len))
 
 

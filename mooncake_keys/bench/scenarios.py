@@ -106,6 +106,11 @@ class Scenario:
     def namespaces(self) -> int:
         return len(self.layout.lookup_namespaces())
 
+    def deployment(self, core: Optional[str] = None) -> mk.Deployment:
+        """The scenario's deployment (vLLM 0.33's contract, the default), on ``core``."""
+        return mk.Deployment(self.model_name, self.groups, self.layout, hash_block_size=self.hash_block_size,
+                             use_eagle=self.use_eagle, core=core)
+
 
 #: The standard scenarios (docs/benchmarks.md); token_len = hashes * 64.
 STANDARD: Dict[str, Scenario] = {
@@ -179,9 +184,8 @@ def keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     if token_len <= 0:
         return []
     if _core.ACCELERATED:
-        eng = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
-                              hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                              store=mk.RecordingStore(), key_cache_bytes=0, spare_key_bytes=0)
+        eng = mk.LookupEngine.for_deployment(scenario.deployment(), store=mk.RecordingStore(), key_cache_bytes=0,
+                                             spare_key_bytes=0)
         return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))
     return _baseline(scenario).candidate_keys(token_len, baselines.BlobBlockHashes(request.blob, request.hash_len))
 
@@ -231,10 +235,8 @@ class Impl:
         if impl in ("c", "py"):
             # One-shot, as vLLM asks: the stub answers the whole key list (rounds are measured
             # on a real master, in .on_master).
-            self.engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
-                                          hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                                          store=store, key_cache_bytes=key_cache_bytes, core=impl,
-                                          strategy="oneshot")
+            self.engine = mk.LookupEngine.for_deployment(scenario.deployment(core=impl), store=store,
+                                                         key_cache_bytes=key_cache_bytes, strategy="oneshot")
             self.baseline = None
         elif impl == "vllm":
             from .vllm_baseline import VllmLookup

@@ -107,14 +107,14 @@ class _Ranks:
                     scale = GROUPS[g].spec.block_size // HASH_BLOCK_SIZE
                     for st in statuses:
                         if st.ok:
-                            want = self.expected(pool.namespace, g, hashes[st.chunk_id * scale + scale - 1])
+                            want = self.expected(pool.writer_namespace, g, hashes[st.chunk_id * scale + scale - 1])
                             same = self.torch.equal(cache[g][st.chunk_id], want)
                             self.verified += same
                             self.bad += not same
             for g, grp in enumerate(GROUPS):  # "prefill": every block of the prompt holds this rank's KV
                 scale = grp.spec.block_size // HASH_BLOCK_SIZE
                 for j in range(token_len // grp.spec.block_size):
-                    cache[g][j].copy_(self.expected(pool.namespace, g, hashes[j * scale + scale - 1]))
+                    cache[g][j].copy_(self.expected(pool.writer_namespace, g, hashes[j * scale + scale - 1]))
             if token_len:
                 pool.save(token_len, hashes, block_ids)
 

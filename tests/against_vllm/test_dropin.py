@@ -148,12 +148,12 @@ def test_the_wire_view_of_hashes_is_read_without_a_copy():
     """On rank 0 the lookup server hands ``lookup`` vLLM's ``BlobBlockHashes`` over a ZMQ frame."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
 
-    from mooncake_keys.vllm.worker import as_block_hashes
+    from mooncake_keys.vllm.worker import block_hashes_from_vllm
 
     blob = bytearray(b"".join(bytes([i]) * 16 for i in range(5)) + b"xyz")  # trailing bytes ignored
-    view = as_block_hashes(BlobBlockHashes(memoryview(blob), 16))
+    view = block_hashes_from_vllm(BlobBlockHashes(memoryview(blob), 16))
     assert len(view) == 5 and view.hash_len == 16 and view.blob.obj is blob
-    assert len(as_block_hashes(BlobBlockHashes(memoryview(blob), 0))) == 0
+    assert len(block_hashes_from_vllm(BlobBlockHashes(memoryview(blob), 0))) == 0
 
 
 def test_the_lookup_strategy_comes_from_the_connector_config():
