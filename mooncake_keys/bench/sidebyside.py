@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .scenarios import IMPLS, STANDARD, Impl, Request, build_impl, make_request, membership_answer, stub_store
 from ..lookup import _core
 
-__all__ = ["available", "format_table", "run_standard"]
+__all__ = ["available", "format_table", "run_standard", "sample_ns"]
 
 Progress = Optional[Callable[[str], Any]]
 
@@ -48,7 +48,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _sample_ns(runner: "Impl", reqs: Sequence["Request"], cold: bool) -> Tuple[int, int]:
+def sample_ns(runner: "Impl", reqs: Sequence["Request"], cold: bool) -> Tuple[int, int]:
     """Wall time of one batch of lookups in ns, and the minor page faults it took.
 
     For cold lookups forgetting the shapes stays outside the timer (each call is timed on its
@@ -123,11 +123,11 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
                     n = batch[(mode, impl)]
                     if mode == "cold":
                         hits_before = runner.key_cache_hits()
-                        ns, flt = _sample_ns(runner, fresh[:n], cold=True)
+                        ns, flt = sample_ns(runner, fresh[:n], cold=True)
                         if runner.key_cache_hits() != hits_before:
                             raise RuntimeError(f"scenario {sname}: a cold {impl} lookup hit the key cache")
                     else:
-                        ns, flt = _sample_ns(runner, [first] * n, cold=False)
+                        ns, flt = sample_ns(runner, [first] * n, cold=False)
                     samples[(mode, impl)].append((ns / n, flt / n))
             if progress:
                 progress(f"scenario {sname}: round {rnd + 1}/{repeat}")
@@ -142,7 +142,7 @@ def _batch_sizes(runners: Dict[str, "Impl"], first: "Request", modes: Sequence[s
     batch: Dict[tuple, int] = {}
     for mode in modes:
         for impl, runner in runners.items():
-            t = _sample_ns(runner, [first], cold=False)[0]
+            t = sample_ns(runner, [first], cold=False)[0]
             batch[(mode, impl)] = max(1, min(max_batch, int(sample_ms * 1e6 / max(t, 1))))
     return batch
 
