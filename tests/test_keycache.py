@@ -5,11 +5,12 @@ import random
 import pytest
 
 import mooncake_keys as mk
+from mooncake_keys.lookup.keycache import KeyCache
 
 LAYOUT = mk.ParallelLayout(tp_size=2, pp_size=2, num_kv_heads=2)
 
 
-def make(cache_bytes=mk.KeyCache().max_bytes, layout=LAYOUT):
+def make(cache_bytes=KeyCache().max_bytes, layout=LAYOUT):
     store = mk.MemoryStore()
     return mk.LookupEngine("m", [mk.FullAttentionSpec(16)], layout, hash_block_size=16, store=store,
                            key_cache_bytes=cache_bytes, vllm_compat="0.25")

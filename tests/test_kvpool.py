@@ -634,7 +634,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
 
         # No false miss: every aligned prefix is a full hit (EAGLE: what an all-present store gives).
         for t in range(sched, T + 1, sched):
-            full = engine.coordinator.find_longest_cache_hit(
+            full = engine.coordinator.longest_hit(
                 [b"\x01" * (t // grp.spec.block_size) for grp in groups], t)
             assert engine.lookup(t, hs) == full
             if not (case.use_eagle or any(getattr(g, "is_eagle_group", False) for g in case.groups)):

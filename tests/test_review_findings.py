@@ -17,6 +17,7 @@ import pytest
 
 import mooncake_keys as mk
 from mooncake_keys.lookup.contract import get_contract
+from mooncake_keys.lookup.coordinator import Coordinator
 from mooncake_keys.store.config import MooncakeStoreConfig, parse_size
 
 F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec
@@ -198,25 +199,26 @@ def test_pool_key_names_its_bad_fields():
     assert mk.PoolKey(md, "ab").to_string() == "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab"
 
 
-def test_the_exported_coordinator_checks_its_arguments():
+def test_the_coordinator_checks_its_arguments():
     c033 = get_contract("0.33")
     grp = mk.KVCacheGroup(F(16))
     with pytest.raises(ValueError, match="scheduler_block_size must be >= 1"):
-        mk.Coordinator([grp], 0, contract=c033, hash_block_size=16)
+        Coordinator([grp], 0, contract=c033, hash_block_size=16)
     with pytest.raises(TypeError, match="contract must be a Contract"):
-        mk.Coordinator([grp], 16, contract="0.33", hash_block_size=16)
+        Coordinator([grp], 16, contract="0.33", hash_block_size=16)
     with pytest.raises(TypeError, match="groups must be a non-empty sequence of KVCacheGroup"):
-        mk.Coordinator([F(16)], 16, contract=c033, hash_block_size=16)
-    co = mk.Coordinator([grp], 16, contract=c033, hash_block_size=16)
+        Coordinator([F(16)], 16, contract=c033, hash_block_size=16)
+    co = Coordinator([grp], 16, contract=c033, hash_block_size=16)
     with pytest.raises(ValueError, match="max_length .* is far past the presence"):
-        co.find_longest_cache_hit([b"\x01"], 10**9)  # was a MemoryError at 10**12
+        co.check_presence([b"\x01"], 10**9)  # was a MemoryError at 10**12
     with pytest.raises(ValueError, match="max_length must be <="):
-        co.find_longest_cache_hit([b"\x01"], 10**12)
+        co.check_presence([b"\x01"], 10**12)
     with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
-        co.find_longest_cache_hit([], 16)
+        co.check_presence([], 16)
     with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
-        co.find_longest_cache_hit([[1]], 16)
-    assert co.find_longest_cache_hit([b"\x01\x01\x00"], 48) == 32
+        co.check_presence([[1]], 16)
+    co.check_presence([b"\x01\x01\x00"], 48)
+    assert co.longest_hit([b"\x01\x01\x00"], 48) == 32
 
 
 def test_key_metadata_refuses_text_utf8_cannot_encode():

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mooncake_keys as mk
 
 from . import baselines
-from ..lookup import _core
+from ..lookup import _core, keycache
 
 __all__ = [
     "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "stub_store", "Impl",
@@ -50,7 +50,7 @@ __all__ = [
 IMPLS = ["c", "py", "seed", "pre", "vllm"]
 MODEL = "DeepSeek-V4"
 #: The engine's default key-cache budget: the benchmarks run the engine as users get it.
-DEFAULT_KEY_CACHE_BYTES = mk.KeyCache().max_bytes
+DEFAULT_KEY_CACHE_BYTES = keycache.DEFAULT_KEY_CACHE_BYTES
 
 #: Rank layouts by R, the number of namespaces a chunk is looked up in.
 LAYOUTS: Dict[int, dict] = {
