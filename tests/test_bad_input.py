@@ -5,6 +5,8 @@ import logging
 import pytest
 
 import mooncake_keys as mk
+from mooncake_keys.lookup.contract import get_contract
+from mooncake_keys.lookup.coordinator import Coordinator
 
 F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec
 
@@ -207,3 +209,35 @@ def test_hashes_from_any_iterable_are_read_once(impl, recording_store):
     assert len(st.calls) == 4 and all(c == st.calls[0] for c in st.calls)
     with pytest.raises(TypeError, match="block_hashes"):
         mk.BlockHashes.from_list(None)
+
+
+# --------------------------------------------------------------------- sizes and the coordinator
+def test_a_huge_block_size_is_a_value_error():
+    with pytest.raises(ValueError, match="block_size must be <="):
+        F(2**62)
+    with pytest.raises(ValueError, match="sliding_window must be <="):
+        S(16, 2**62)
+    with pytest.raises(ValueError, match="hash_block_size must be <="):
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=2**62, store=mk.MemoryStore())
+
+
+def test_the_coordinator_checks_its_arguments():
+    c033 = get_contract("0.33")
+    grp = mk.KVCacheGroup(F(16))
+    with pytest.raises(ValueError, match="scheduler_block_size must be >= 1"):
+        Coordinator([grp], 0, contract=c033, hash_block_size=16)
+    with pytest.raises(TypeError, match="contract must be a Contract"):
+        Coordinator([grp], 16, contract="0.33", hash_block_size=16)
+    with pytest.raises(TypeError, match="groups must be a non-empty sequence of KVCacheGroup"):
+        Coordinator([F(16)], 16, contract=c033, hash_block_size=16)
+    co = Coordinator([grp], 16, contract=c033, hash_block_size=16)
+    with pytest.raises(ValueError, match="max_length .* is far past the presence"):
+        co.check_presence([b"\x01"], 10**9)  # was a MemoryError at 10**12
+    with pytest.raises(ValueError, match="max_length must be <="):
+        co.check_presence([b"\x01"], 10**12)
+    with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
+        co.check_presence([], 16)
+    with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
+        co.check_presence([[1]], 16)
+    co.check_presence([b"\x01\x01\x00"], 48)
+    assert co.longest_hit([b"\x01\x01\x00"], 48) == 32

@@ -1,6 +1,7 @@
 """The key cache: what it keeps, what it reuses, and that it stays within its budgets."""
 
 import random
+import sys
 
 import pytest
 
@@ -176,3 +177,67 @@ def test_concurrent_lookups_agree_with_serial_ones(impl):
         th.join()
     assert not errors, errors[:3]
     assert len(got) == 4 * len(reqs) and any(want)
+
+
+# --------------------------------------------------------------------- strings never rewritten
+F = mk.FullAttentionSpec
+
+
+def engine(store, **kw):
+    kw.setdefault("layout", mk.ParallelLayout(tp_size=2, num_kv_heads=2))
+    return mk.LookupEngine("m", [F(16)], kw.pop("layout"), hash_block_size=16, store=store, **kw)
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_key_with_a_cached_wide_copy_is_never_rewritten(impl, tp):
+    """On Python 3.11 the deprecated ``PyUnicode_AsUnicode`` (here through ``_testcapi``'s "u"
+    argument format, as any extension using it would) caches a wchar_t copy inside the str;
+    rewriting that str in place left the copy stale, so the key read back as the previous one."""
+    if sys.version_info >= (3, 12):
+        pytest.skip("no cached wchar_t copy in a str since Python 3.12")
+    _testcapi = pytest.importorskip("_testcapi")
+    import warnings
+
+    seen = []
+
+    def read_wide(keys):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # Read through the wide copy; keep only bytes, so the strings stay rewritable.
+            seen.append([(k.encode(), _testcapi.getargs_u(k).encode()) for k in keys])
+        return [0] * len(keys)
+
+    e = engine(mk.RecordingStore(read_wide, record_keys=False), layout=mk.ParallelLayout(tp_size=tp, num_kv_heads=tp))
+    for seed in range(4):
+        e.lookup(128, [bytes([seed, i]) * 8 for i in range(8)])
+    stale = [(k, w) for batch in seen for k, w in batch if k != w]
+    assert not stale, stale[:2]
+    assert [k.decode() for k, _ in seen[-1]] == e.candidate_keys(128, [bytes([3, i]) * 8 for i in range(8)])
+
+
+def test_a_key_whose_hash_was_computed_is_never_rewritten(impl):
+    """A str caches its hash: rewritten in place after a dict lookup it would keep the old
+    one, and ``hash(key)`` would disagree with an equal string's (a dict would miss it)."""
+    checked = []
+
+    def hashing(keys):
+        for k in keys:
+            checked.append(hash(k) == hash(k.encode().decode()))  # a fresh, equal str
+        return [0] * len(keys)
+
+    e = engine(mk.RecordingStore(hashing, record_keys=False))
+    for seed in range(6):
+        e.lookup(128, [bytes([seed, i]) * 8 for i in range(8)])
+    assert checked and all(checked)
+
+
+def test_non_ascii_heads_are_never_rewritten(impl):
+    wide = mk.LookupEngine("модель", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2), hash_block_size=16,
+                           store=mk.RecordingStore(lambda keys: [0] * len(keys)))
+    sent = []
+    wide.store = mk.RecordingStore(lambda keys: sent.append([k.encode() for k in keys]) or [0] * len(keys),
+                                   record_keys=False)
+    for seed in range(4):
+        hashes = [bytes([seed, i]) * 8 for i in range(8)]
+        wide.lookup(128, hashes)
+        assert [k.decode() for k in sent[-1]] == wide.candidate_keys(128, hashes)
+    assert all(k.startswith("модель@".encode()) for batch in sent for k in batch)

@@ -32,6 +32,7 @@ from mooncake_keys.kvpool import (  # noqa: E402
     KVPoolError,
     KVPoolStoreError,
 )
+from support.child import run_child  # noqa: E402
 
 F, S, G = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.KVCacheGroup
 OBJECT_NOT_FOUND = -704
@@ -731,3 +732,26 @@ def test_real_master_load_failures_and_registration(real_store):
         assert res.chunks[0][1] == ChunkStatus(1, False, 10) and block_bytes(kv, 5) == bytes(128)
     for h in hs:
         real_store.remove(key_of("m", (0, 0, 0, 0), 0, h, prefix), True)
+
+
+# --------------------------------------------------------------------- reallocated memory
+def test_a_resized_kv_cache_is_refused_not_read():
+    pytest.importorskip("torch")
+    out = run_child("""
+        import torch, mooncake_keys as mk
+        kv = torch.zeros(4, 64, dtype=torch.uint8)
+        store = mk.MemoryStore()
+        pool = mk.KVPool("m", [mk.FullAttentionSpec(16)], mk.ParallelLayout(), rank=(0, 0, 0, 0),
+                         kv_caches=kv, hash_block_size=16, store=store)
+        kv.resize_(4096, 4096)  # reallocates the storage the pool registered
+        for call in (lambda: pool.save(32, [b"a" * 16, b"b" * 16], [0, 1]),
+                     lambda: pool.load(32, [b"a" * 16, b"b" * 16], [0, 1])):
+            try:
+                call()
+            except mk.KVPoolError as exc:
+                print("REFUSED", "reallocated" in str(exc))
+        print("stored", len(store))
+        pool.close()
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["REFUSED", "True", "REFUSED", "True", "stored", "0"]
