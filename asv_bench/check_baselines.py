@@ -11,7 +11,7 @@ reported in their own buckets instead of as failures:
 
 * ``seed-raises``: vLLM's sliding-window manager indexes one chunk hash per block up to
   ``max_length // block_size`` and raises IndexError when ``token_len`` asks for more tokens
-  than the hashes cover (spec sections 7.4 and 11): in a sliding-window-only config, and also
+  than the hashes cover (docs/architecture.md lists it among the differences): in a sliding-window-only config, and also
   in a hybrid one under EAGLE, whose one-block look-ahead (``min(cur + bs, max_length)``) takes
   the sliding-window group past the hashes even after a full-attention miss. mooncake_keys
   counts the missing chunks as absent instead. The scheduler never asks for more tokens than
@@ -21,13 +21,14 @@ reported in their own buckets instead of as failures:
   found the difference) mooncake_keys; a case lands here only when something else differs.
 
 Also checked: the stub answers of the benchmark scenarios are the same for every request of a
-scenario (the positional assumption ``common.StubStore`` relies on), and ``--dup`` probes
+scenario (the positional assumption ``scenarios.stub_store`` relies on), and ``--dup`` probes
 requests that repeat a hash (vLLM chains hashes, so they never do).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import random
 import sys
@@ -36,20 +37,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mooncake_keys as mk
 from mooncake_keys.bench import baselines
-from mooncake_keys.bench import scenarios as common
+from mooncake_keys.bench import scenarios
+from mooncake_keys.bench import sidebyside
 from mooncake_keys.lookup import _core
-
-
-class DictStore:
-    """``batch_is_exist`` from a dict key -> code (missing keys answer 0); records what was sent."""
-
-    def __init__(self, codes: Dict[str, Any]) -> None:
-        self.codes = codes
-        self.sent: List[List[str]] = []
-
-    def batch_is_exist(self, keys):
-        self.sent.append(list(keys))
-        return [self.codes.get(k, 0) for k in keys]
 
 
 def random_case(rng: random.Random, *, eagle_flag_probe: bool = False) -> dict:
@@ -136,7 +126,7 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
     """(keys sent, hit) per implementation variant; an exception is recorded as the hit."""
     out: Dict[str, Tuple[Any, Any]] = {}
     for state in ("seed", "pre"):
-        store = DictStore(codes)
+        store = mk.RecordingStore(present=codes)
         lk = baselines.make_lookup(case["model"], case["groups"], case["layout"], case["hbs"], case["use_eagle"],
                                    store, state=state, cache_prefix=case["cache_prefix"])
         try:
@@ -144,13 +134,14 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
                                                                    len(case["hashes"][0]) if case["hashes"] else 1))
         except Exception as exc:  # noqa: BLE001
             hit = f"{type(exc).__name__}"
-        out[state] = (store.sent[0] if store.sent else [], hit)
+        out[state] = (store.calls[0] if store.calls else [], hit)
     for impl in ("c", "py"):
-        for cache in (common.DEFAULT_KEY_CACHE_BYTES, 0):
-            store = DictStore(codes)
+        for cache in (scenarios.DEFAULT_KEY_CACHE_BYTES, 0):
+            store = mk.RecordingStore(present=codes)
             eng = mk.LookupEngine(case["model"], case["groups"], case["layout"], hash_block_size=case["hbs"],
                                   use_eagle=case["use_eagle"], cache_prefix=case["cache_prefix"], store=store,
-                                  key_cache_bytes=cache, core=impl, strategy="oneshot")
+                                  key_cache_bytes=cache, core=impl, strategy="oneshot", vllm_compat="0.25",
+                                  allow_ambiguous_names=True)  # "a@b" is among the names drawn
             hits = []
             for _ in range(3):  # first sight, second sight (admitted), memoised
                 try:
@@ -158,12 +149,12 @@ def run_impls(case: dict, codes: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
                 except Exception as exc:  # noqa: BLE001
                     hits.append(f"{type(exc).__name__}")
             keys = eng.candidate_keys(case["token_len"], case["hashes"]) if case["hashes"] else []
-            if any(sent != store.sent[0] for sent in store.sent[1:]):
+            if any(sent != store.calls[0] for sent in store.calls[1:]):
                 hits.append("keys of a repeated lookup differ from the first")
-            if store.sent and keys != store.sent[0]:
+            if store.calls and keys != store.calls[0]:
                 hits.append("candidate_keys differs from the keys sent")
             tag = f"{impl}{'' if cache else '-nocache'}"
-            out[tag] = (store.sent[0] if store.sent else [], hits[0] if len(set(map(str, hits))) == 1 else hits)
+            out[tag] = (store.calls[0] if store.calls else [], hits[0] if len(set(map(str, hits))) == 1 else hits)
     return out
 
 
@@ -176,7 +167,7 @@ def check_random(cases: int, seed: int, verbose: bool) -> Counter:
         case = random_case(rng, eagle_flag_probe=probe)
         r = len(baselines.lookup_namespaces(case["layout"]))
         # Keys from seed decide the store contents.
-        pre_store = DictStore({})
+        pre_store = mk.RecordingStore()
         lk = baselines.make_lookup(case["model"], case["groups"], case["layout"], case["hbs"], case["use_eagle"],
                                    pre_store, cache_prefix=case["cache_prefix"])
         keys = lk.candidate_keys(case["token_len"], case["hashes"]) if case["hashes"] else []
@@ -216,18 +207,18 @@ def check_random(cases: int, seed: int, verbose: bool) -> Counter:
 def check_scenario_answers() -> List[str]:
     """The stub's answer must not depend on which request of a scenario is asked."""
     problems = []
-    scenarios = list(common.STANDARD.values()) + [
-        common.grid_scenario(256, r, g, h) for r in (1, 8, 32) for g in common.GROUPS for h in (16, 32)]
-    for sc in scenarios:
-        a0 = common.membership_answer(sc, common.make_request(sc, 0))
-        a1 = common.membership_answer(sc, common.make_request(sc, 1))
+    checked = list(scenarios.STANDARD.values()) + [
+        scenarios.grid_scenario(256, r, g, h) for r in (1, 8, 32) for g in scenarios.GROUPS for h in (16, 32)]
+    for sc in checked:
+        a0 = scenarios.membership_answer(sc, scenarios.make_request(sc, 0))
+        a1 = scenarios.membership_answer(sc, scenarios.make_request(sc, 1))
         if a0 != a1:
             problems.append(f"{sc.name}: answers of requests 0 and 1 differ")
         # and every impl sends the same keys and finds the same hit on it
         hits = {}
         keys = {}
-        for impl in common.IMPLS:
-            b = common.lookup_bench(impl, sc)
+        for impl in sidebyside.available(scenarios.IMPLS):
+            b = scenarios.lookup_bench(impl, sc)
             keys[impl] = tuple(b.impl.candidate_keys(b.pool[0]))
             hits[impl] = b.impl.lookup(b.pool[0])
             if impl in ("c", "py"):  # the second sight, and a memoised third, answer the same
@@ -255,7 +246,7 @@ def check_duplicates(cases: int, seed: int) -> Counter:
             hs[rng.randrange(len(hs))] = hs[rng.randrange(len(hs))]
         r = len(baselines.lookup_namespaces(case["layout"]))
         lk = baselines.make_lookup(case["model"], case["groups"], case["layout"], case["hbs"], case["use_eagle"],
-                                   DictStore({}), cache_prefix=case["cache_prefix"])
+                                   mk.RecordingStore(), cache_prefix=case["cache_prefix"])
         keys = lk.candidate_keys(case["token_len"], hs)
         out = run_impls(case, random_codes(rng, keys, r))
         hits = {k: str(v[1]) for k, v in out.items()}
@@ -271,6 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dup", type=int, default=500, help="cases with repeated hashes (0 to skip)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    logging.getLogger("mooncake_keys").setLevel(logging.ERROR)  # the random codes' warning lines
     print(f"compiled core: {_core._core_c is not None}; engine default core: {mk.ACCELERATED and 'c' or 'py'}")
     tally = check_random(args.cases, args.seed, args.verbose)
     print("random cases:", dict(tally))

@@ -24,15 +24,15 @@ import subprocess
 import sys
 import time
 
-from mooncake_keys.bench import scenarios as common
+from mooncake_keys.bench import scenarios
 from mooncake_keys.bench import sidebyside
 
 
-def _ns_per_key(impl: str, scenario: common.Scenario, what: str, rounds: int, batch: int) -> tuple:
-    b = common.lookup_bench(impl, scenario, answer=(what == "lookup"))
+def _ns_per_key(impl: str, scenario: scenarios.Scenario, what: str, rounds: int, batch: int) -> tuple:
+    b = scenarios.lookup_bench(impl, scenario, answer=(what == "lookup"))
     call = b.impl.lookup if what == "lookup" else b.impl.candidate_keys
-    common.burn_in(b, call)
-    keys = common.count_keys(scenario)
+    scenarios.burn_in(b, call)
+    keys = scenarios.count_keys(scenario)
     best = float("inf")
     for _ in range(rounds):
         reqs = [b.fresh_request() for _ in range(batch)]
@@ -70,8 +70,8 @@ def _memory_child(impl: str) -> None:
             f.write("5")
     except OSError:
         pass
-    sc = common.grid_scenario(131072, 8)
-    b = common.lookup_bench(impl, sc, isolate=True)
+    sc = scenarios.grid_scenario(131072, 8)
+    b = scenarios.lookup_bench(impl, sc, isolate=True)
     req = b.fresh_request()
     gc.collect()
     rss0 = _peak_rss()
@@ -82,7 +82,7 @@ def _memory_child(impl: str) -> None:
     b.impl.lookup(req2)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    keys = common._keys_of(sc, req, sc.token_len)
+    keys = scenarios.keys_of(sc, req, sc.token_len)
     key_bytes = sum(map(sys.getsizeof, keys))
     print(f"{impl} {len(keys)} {key_bytes} {peak} {rss1 - rss0}")
 
@@ -101,7 +101,7 @@ def main() -> int:
         print("3. 1M-key lookup (131,072 hashes x R 8, cold): memory vs its key strings")
         print(f"   {'impl':5} {'keys':>8} {'key str MB':>10} {'tracemalloc peak MB':>20} {'ratio':>6} "
               f"{'RSS added MB':>13} {'ratio':>6}")
-        for impl in sidebyside.available(common.IMPLS):  # vllm only where vLLM 0.33 is installed
+        for impl in sidebyside.available(scenarios.IMPLS):  # vllm only where vLLM 0.33 is installed
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", impl],
                                  capture_output=True, text=True, check=True).stdout.split()
             _, n, kb, peak, rss = out
@@ -110,7 +110,7 @@ def main() -> int:
                   f"{rss / 2**20:13.1f} {rss / kb:6.2f}")
     print("1. key building, c, cold, 2,048 hashes of 32 B, Full(64):")
     for r in (1, 8, 32):
-        keys, nspk, us = _ns_per_key("c", common.grid_scenario(2048, r), "keys", 5, 20)
+        keys, nspk, us = _ns_per_key("c", scenarios.grid_scenario(2048, r), "keys", 5, 20)
         print(f"   R={r:2d}: {keys:7d} keys  {us:9.1f} us  {nspk:6.1f} ns/key")
 
     print("2. ns/key at ~10k and ~1M keys (R=8), cold:")
@@ -118,7 +118,7 @@ def main() -> int:
         for what in ("keys", "lookup"):
             row = []
             for hashes, rounds, batch in ((1280, 5, 20), (131072, 3, 2)):
-                keys, nspk, us = _ns_per_key(impl, common.grid_scenario(hashes, 8), what, rounds, batch)
+                keys, nspk, us = _ns_per_key(impl, scenarios.grid_scenario(hashes, 8), what, rounds, batch)
                 row.append(f"{keys:8d} keys {nspk:6.1f} ns/key ({us / 1e3:8.2f} ms)")
             print(f"   {impl:4} {what:6}: " + " | ".join(row))
 

@@ -5,20 +5,21 @@ the key building and rank reduction run in a compiled core when one is available
 (``ACCELERATED``), in a pure-Python twin otherwise.
 
 The package reads as the data flow: ``lookup`` (hashes -> keys -> hit length), ``store``
-(where the keys are asked), ``kvpool`` (one rank's saves and loads), ``cli`` (demo, bench).
-Names that need torch or the Mooncake client are imported on first use.
+(where the keys are asked), ``kvpool`` (one rank's saves and loads), ``vllm`` (the drop-in),
+``bench`` and ``cli`` (demo, bench). The names here are what a user needs; the internals
+(``lookup.coordinator.Coordinator``, ``lookup.keycache.KeyCache``, ...) stay importable from
+their modules. Names that need torch or the Mooncake client are imported on first use.
 """
 
 from .lookup._core import ACCELERATED
-from .lookup.coordinator import Coordinator
 from .lookup.deployment import Deployment
 from .lookup.engine import LookupEngine, LookupResult, LookupStats, TailKeyBoundary
 from .lookup.hashes import BlockHashes
-from .lookup.keycache import KeyCache, KeyCacheStats
 from .lookup.keys import KeyMetadata, PoolKey, model_name_from_path
 from .lookup.layout import ParallelLayout
 from .lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from .store.memory import MemoryStore
+from .store.recording import RecordingStore
 
 _LAZY = {  # heavier modules, imported on first use
     "KVPool": "kvpool",  # torch
@@ -55,12 +56,9 @@ __version__ = "0.2.0"
 __all__ = [
     "ACCELERATED",
     "BlockHashes",
-    "Coordinator",
     "Deployment",
     "FullAttentionSpec",
     "KVCacheGroup",
-    "KeyCache",
-    "KeyCacheStats",
     "KeyMetadata",
     "KVPool",
     "KVPoolError",
@@ -79,9 +77,11 @@ __all__ = [
     "OpenStore",
     "ParallelLayout",
     "PoolKey",
+    "RecordingStore",
     "SaveResult",
     "SlidingWindowSpec",
     "TailKeyBoundary",
     "model_name_from_path",
     "open_store",
+    "__version__",
 ]

@@ -1,15 +1,15 @@
 """The Mooncake I/O of one rank: save a request's KV-cache chunks to the pool, load them back.
 
 A :class:`KVPool` is the worker-side twin of a :class:`~mooncake_keys.LookupEngine` for the
-same deployment (model, KV-cache groups, rank layout, cache prefix): both are built on a
+same deployment (model, KV-cache groups, rank layout, cache prefix): both are built from one
 :class:`~mooncake_keys.Deployment`, so a pool writes exactly the keys a lookup asks for, under
 this rank's *writer namespace*, and a hit the lookup reports is a hit every rank can load
 (vLLM's ``MooncakeStoreWorker`` send/recv threads). Keys, the chunk-to-hash rule and the
 usable length of a load all come from the deployment: the same code as the lookup's.
 
 Shape contract of ``kv_caches``
-    One ``torch.Tensor`` per KV-cache group (a bare tensor is accepted when there is one
-    group): a **contiguous CPU tensor** of shape ``[num_blocks, ...]`` of any dtype. Dim 0 is
+    One ``torch.Tensor`` per store group (the prefix-cacheable KV-cache groups; a bare tensor
+    is accepted when there is one): a **contiguous CPU tensor** of shape ``[num_blocks, ...]`` of any dtype. Dim 0 is
     the block id; block ``b`` is the ``nbytes // num_blocks`` bytes at
     ``data_ptr() + b * block_nbytes``, and that byte range is the value stored under the
     chunk's key. A group with several layers therefore lays its cache out block-major, e.g.
@@ -44,7 +44,7 @@ import logging
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Sequence, Tuple
 
 try:
     import torch
@@ -52,11 +52,10 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
     raise ImportError("mooncake_keys.kvpool needs torch: pip install 'mooncake-keys[torch]'") from exc
 
 from ._checks import int_arg
-from .lookup.contract import DEFAULT_VLLM_COMPAT
 from .lookup.deployment import Deployment, DeploymentViews, GroupLike
 from .lookup.hashes import BlockHashes, as_block_hashes
 from .lookup.layout import Namespace, ParallelLayout
-from .lookup.specs import KVCacheGroup, SlidingWindowSpec
+from .lookup.specs import SlidingWindowSpec
 from .store.gate import CallGate, GateClosed
 
 __all__ = [
@@ -219,57 +218,52 @@ def _is_sequence(x: Any) -> bool:
 class KVPool(DeploymentViews):
     """Saves and loads the KV-cache blocks of the rank ``rank = (tp, pcp, dcp, pp)``.
 
-    ``model_name``, ``groups``, ``layout``, ``hash_block_size``, ``scheduler_block_size``,
-    ``use_eagle``, ``cache_prefix`` and ``core`` describe the deployment exactly as for
-    :class:`~mooncake_keys.LookupEngine` (and are checked by the same code). ``kv_caches`` holds this rank's
-    KV-cache tensor of each group (see the module docstring for the shape contract). ``store``
-    needs ``register_buffer``, ``unregister_buffer``, ``batch_is_exist``, ``batch_put_from`` and
-    ``batch_get_into`` (a :class:`~mooncake_keys.store.memory.MemoryStore`, a
+    Built from a :class:`~mooncake_keys.Deployment` (:meth:`for_deployment`: for the deployment
+    a :class:`~mooncake_keys.LookupEngine` is built for, the pool writes exactly the keys the
+    engine asks), or from the deployment's own arguments: ``KVPool(model_name, groups, layout,
+    rank=..., kv_caches=..., store=..., hash_block_size=...)`` takes every keyword argument of
+    :class:`~mooncake_keys.Deployment` and builds the deployment itself. Partial hash hits are
+    not supported: a pool saves and loads whole chunks.
+
+    ``kv_caches`` holds this rank's KV-cache tensor of each store group (see the module
+    docstring for the shape contract). ``store`` needs ``register_buffer``,
+    ``unregister_buffer``, ``batch_is_exist``, ``batch_put_from`` and ``batch_get_into`` (a
+    :class:`~mooncake_keys.store.memory.MemoryStore`, a
     :class:`~mooncake_keys.store.mooncake.MooncakeStore`). The tensors' memory is registered
     with the store here and unregistered by :meth:`close` (or leaving a ``with`` block): always
     close a pool before its tensors are freed.
     """
 
-    def __init__(
-        self,
-        model_name: str,
-        groups: Sequence[GroupLike],
-        layout: ParallelLayout,
-        *,
-        rank: Tuple[int, int, int, int],
-        kv_caches: Any,
-        hash_block_size: int,
-        scheduler_block_size: Optional[int] = None,
-        use_eagle: bool = False,
-        cache_prefix: str = "",
-        store: Any,
-        store_namespace: str = "",
-        vllm_compat: str = DEFAULT_VLLM_COMPAT,
-        allow_ambiguous_names: bool = False,
-        core: Optional[str] = None,
-    ) -> None:
+    def __init__(self, model_name: str, groups: Sequence[GroupLike], layout: ParallelLayout, *,
+                 rank: Tuple[int, int, int, int], kv_caches: Any, store: Any, **deployment: Any) -> None:
+        self._start(Deployment(model_name, groups, layout, **deployment), rank, kv_caches, store)
+
+    @classmethod
+    def for_deployment(cls, deployment: Deployment, *, rank: Tuple[int, int, int, int], kv_caches: Any,
+                       store: Any) -> "KVPool":
+        """The pool of rank ``rank`` of ``deployment``."""
+        pool = cls.__new__(cls)
+        pool._start(deployment, rank, kv_caches, store)
+        return pool
+
+    def _start(self, deployment: Deployment, rank: Tuple[int, int, int, int], kv_caches: Any, store: Any) -> None:
+        if not isinstance(deployment, Deployment):
+            raise TypeError(f"deployment must be a Deployment, got {type(deployment).__name__}")
+        if deployment.partial_hash_hits:
+            raise ValueError("a KVPool saves and loads whole chunks: partial_hash_hits is not supported")
         missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
         if missing:
             raise TypeError(f"store lacks the method(s) {', '.join(missing)} a KV pool needs")
         #: The deployment, validated once: keys, chunk-to-hash rule, plans and hit lengths.
-        self.deployment = Deployment(
-            model_name, groups, layout, hash_block_size=hash_block_size,
-            scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
-            cache_prefix=cache_prefix, store_namespace=store_namespace, vllm_compat=vllm_compat,
-            allow_ambiguous_names=allow_ambiguous_names,
-            core=core,
-        )
-        #: The store groups (prefix-cacheable ones): one KV-cache tensor each.
-        self.groups: Tuple[KVCacheGroup, ...] = self.deployment.store_groups
-        self.layout = layout
+        self.deployment = deployment
         self.store = store
-        self.rank: Namespace = layout.check_rank(rank)
-        writers = [self.deployment.writer(g, self.rank) for g in range(len(self.groups))]
+        self.rank: Namespace = deployment.layout.check_rank(rank)
+        writers = [deployment.writer(g, self.rank) for g in range(len(deployment.store_groups))]
         #: Per store group, this rank's writer namespace (tp, pcp, dcp, pp): where it saves to
         #: and loads from; and the put step of the ranks sharing it.
-        self.namespaces: Tuple[Namespace, ...] = tuple(ns for ns, _ in writers)
+        self.writer_namespaces: Tuple[Namespace, ...] = tuple(ns for ns, _ in writers)
         self.put_steps: Tuple[int, ...] = tuple(step for _, step in writers)
-        self._heads = tuple((self.deployment.key_head(g, ns),) for g, ns in enumerate(self.namespaces))
+        self._heads = tuple((deployment.key_head(g, ns),) for g, ns in enumerate(self.writer_namespaces))
         self._caches = self._check_caches(kv_caches)
 
         self._gate = CallGate()
@@ -289,18 +283,19 @@ class KVPool(DeploymentViews):
             self._registered.append(ptr)
 
     @property
-    def namespace(self) -> Namespace:
+    def writer_namespace(self) -> Namespace:
         """This rank's writer namespace of store group 0 (every group's, unless they differ in MLA)."""
-        return self.namespaces[0]
+        return self.writer_namespaces[0]
 
     @property
-    def prefixes(self) -> Tuple[str, ...]:
-        """Per group, the prefix of this rank's keys (up to and including ``@group:<g>``)."""
-        return tuple(self.deployment.key_prefix(g, ns) for g, ns in enumerate(self.namespaces))
+    def writer_prefixes(self) -> Tuple[str, ...]:
+        """Per store group, the prefix of this rank's keys (up to and including ``@group:<g>``);
+        :attr:`prefixes` are every namespace's, as for the engine."""
+        return tuple(self.deployment.key_prefix(g, ns) for g, ns in enumerate(self.writer_namespaces))
 
     # ------------------------------------------------------------------ validation
     def _check_caches(self, kv_caches: Any) -> Tuple[_GroupCache, ...]:
-        n = len(self.groups)
+        n = len(self.store_groups)
         if isinstance(kv_caches, torch.Tensor) and n == 1:
             kv_caches = [kv_caches]
         if isinstance(kv_caches, (torch.Tensor, str, bytes)) or not isinstance(kv_caches, Sequence):
@@ -314,7 +309,7 @@ class KVPool(DeploymentViews):
 
     def _block_table(self, block_ids: Any, need: Sequence[int]) -> Tuple[Sequence[Any], ...]:
         """``block_ids`` as one sequence per group, each with at least ``need[g]`` entries."""
-        n = len(self.groups)
+        n = len(self.store_groups)
         if not _is_sequence(block_ids):
             raise TypeError(f"block_ids must be a list of block ids per KV-cache group, got {type(block_ids).__name__}")
         if n == 1 and (not len(block_ids) or _is_index(block_ids[0])):
@@ -343,7 +338,7 @@ class KVPool(DeploymentViews):
 
     def _chunks_with_hash(self, token_len: int, num_hashes: int) -> List[int]:
         """Per group, how many leading chunks lie below ``token_len`` and have a hash."""
-        return [self.deployment.chunks_with_hash(g, token_len, num_hashes) for g in range(len(self.groups))]
+        return [self.deployment.chunks_with_hash(g, token_len, num_hashes) for g in range(len(self.store_groups))]
 
     def _keys(self, hashes: BlockHashes, chunks: Sequence[Sequence[int]]) -> List[str]:
         """This namespace's key of each (group, chunk), in group then chunk order."""
@@ -398,7 +393,7 @@ class KVPool(DeploymentViews):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"<KVPool rank={self.rank} namespace={self.namespace} groups={len(self.groups)} {state}>"
+        return f"<KVPool rank={self.rank} namespace={self.writer_namespace} groups={len(self.store_groups)} {state}>"
 
     # ------------------------------------------------------------------ save
     def save(self, token_len: int, block_hashes: Any, block_ids: Any) -> SaveResult:
@@ -421,7 +416,7 @@ class KVPool(DeploymentViews):
         hashes = as_block_hashes(block_hashes)
         token_len -= token_len % self.scheduler_block_size
         table = self._block_table(block_ids, self._chunks_with_hash(token_len, len(hashes)))
-        no_chunks: Tuple[Tuple[int, ...], ...] = tuple(() for _ in self.groups)
+        no_chunks: Tuple[Tuple[int, ...], ...] = tuple(() for _ in self.store_groups)
         if not token_len or not len(hashes):
             return SaveResult(token_len, no_chunks, 0, 0, 0, ())
         steps = self.put_steps
@@ -474,7 +469,7 @@ class KVPool(DeploymentViews):
         the window before ``token_len`` (the next token attends to nothing older).
         """
         out = []
-        for g, grp in enumerate(self.groups):
+        for g, grp in enumerate(self.store_groups):
             bs = grp.spec.block_size
             first = skip_tokens // bs
             if isinstance(grp.spec, SlidingWindowSpec):
@@ -488,7 +483,7 @@ class KVPool(DeploymentViews):
         dep = self.deployment
         span = dep.span(token_len, num_hashes)
         presence = []
-        for g, grp in enumerate(self.groups):
+        for g, grp in enumerate(self.store_groups):
             p = bytearray(span // grp.spec.block_size)
             held = min(skip_tokens // grp.spec.block_size, dep.chunks_with_hash(g, span, num_hashes))
             p[:held] = b"\x01" * held
@@ -541,8 +536,8 @@ class KVPool(DeploymentViews):
                 if rc != n:
                     ctypes.memset(p, 0, n)
 
-        statuses: List[List[ChunkStatus]] = [[] for _ in self.groups]
-        loaded: List[set] = [set() for _ in self.groups]
+        statuses: List[List[ChunkStatus]] = [[] for _ in self.store_groups]
+        loaded: List[set] = [set() for _ in self.store_groups]
         for (g, j), n, rc in zip(where, sizes, codes):
             statuses[g].append(ChunkStatus(j, rc == n, rc))
             if rc == n:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import types
@@ -14,12 +15,12 @@ import mooncake_keys  # noqa: E402
 from mooncake_keys.lookup import _core  # noqa: E402
 
 try:
-    from mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
+    from support.mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
 except ImportError:  # the Mooncake I/O modules are optional
     pass
 
 
-from cores import NO_C_ENGINES  # noqa: E402
+from support.cores import NO_C_ENGINES  # noqa: E402
 
 
 def pytest_configure(config):
@@ -62,27 +63,10 @@ def impl(request) -> types.ModuleType:
         yield mod
 
 
-class RecordingStore:
-    """A store that answers a given list (or function of the keys) and records each call."""
-
-    def __init__(self, answer=None, exists=None):
-        self.answer = answer
-        self.exists = exists
-        self.calls = []
-
-    def batch_is_exist(self, keys):
-        assert type(keys) is list and all(type(k) is str for k in keys)
-        self.calls.append(list(keys))
-        if self.exists is not None:
-            return [1 if k in self.exists else 0 for k in keys]
-        if callable(self.answer):
-            return self.answer(keys)
-        return list(self.answer)
-
-
 @pytest.fixture
 def recording_store():
-    return RecordingStore
+    """``mooncake_keys.RecordingStore`` that also checks the engine sends a list of str."""
+    return functools.partial(mooncake_keys.RecordingStore, check_keys=True)
 
 
 @pytest.fixture(autouse=True)
@@ -90,5 +74,3 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("MOONCAKE_KEYS_NO_EXTENSIONS", raising=False)
     yield
 
-
-mooncake_keys  # referenced for the side effect of importing the package first

@@ -5,6 +5,8 @@ import logging
 import pytest
 
 import mooncake_keys as mk
+from mooncake_keys.lookup.contract import get_contract
+from mooncake_keys.lookup.coordinator import Coordinator
 
 F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec
 
@@ -143,28 +145,13 @@ def test_blob_errors():
         mk.BlockHashes.from_blob("abc", 1)
 
 
-class Raising:
-    def batch_is_exist(self, keys):
-        raise ConnectionError("master unreachable")
-
-
-class Short:
-    def batch_is_exist(self, keys):
-        return [1] * (len(keys) - 1)
-
-
-class NotAList:
-    def batch_is_exist(self, keys):
-        return None
-
-
-@pytest.mark.parametrize("store,cause", [
-    (Raising(), "ConnectionError: master unreachable"),
-    (Short(), "returned 3 results for 4 keys"),
-    (NotAList(), "returned NoneType"),
+@pytest.mark.parametrize("fault,cause", [
+    (ConnectionError("master unreachable"), "ConnectionError: master unreachable"),
+    ("short", "returned 3 results for 4 keys"),
+    ("not a list", "returned NoneType"),
 ])
-def test_store_faults_answer_zero_with_one_log_line(impl, caplog, store, cause):
-    e = make(store)
+def test_store_faults_answer_zero_with_one_log_line(impl, caplog, fault, cause):
+    e = make(mk.RecordingStore(1, fault=fault))
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert e.lookup(64, HS) == 0
     records = [r for r in caplog.records if r.name.startswith("mooncake_keys")]
@@ -178,7 +165,7 @@ def test_negative_and_unknown_codes_count_as_missing(impl, recording_store):
 
 
 def test_non_ascii_names_are_identical_on_both_cores(recording_store):
-    from cores import NO_C_ENGINES
+    from support.cores import NO_C_ENGINES
 
     if NO_C_ENGINES:
         pytest.skip(NO_C_ENGINES)
@@ -206,7 +193,7 @@ def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store)
     e = make(st)
     assert e.lookup(64, HS) == 32
     assert e.lookup(64, []) == 0
-    f = make(Raising())
+    f = make(mk.RecordingStore(fault=ConnectionError("master unreachable")))
     f.lookup(64, HS)
     assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32)
     assert f.stats() == mk.LookupStats(lookups=1, store_calls=1, store_failures=1, keys_sent=4, hit_tokens=0)
@@ -222,3 +209,35 @@ def test_hashes_from_any_iterable_are_read_once(impl, recording_store):
     assert len(st.calls) == 4 and all(c == st.calls[0] for c in st.calls)
     with pytest.raises(TypeError, match="block_hashes"):
         mk.BlockHashes.from_list(None)
+
+
+# --------------------------------------------------------------------- sizes and the coordinator
+def test_a_huge_block_size_is_a_value_error():
+    with pytest.raises(ValueError, match="block_size must be <="):
+        F(2**62)
+    with pytest.raises(ValueError, match="sliding_window must be <="):
+        S(16, 2**62)
+    with pytest.raises(ValueError, match="hash_block_size must be <="):
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=2**62, store=mk.MemoryStore())
+
+
+def test_the_coordinator_checks_its_arguments():
+    c033 = get_contract("0.33")
+    grp = mk.KVCacheGroup(F(16))
+    with pytest.raises(ValueError, match="scheduler_block_size must be >= 1"):
+        Coordinator([grp], 0, contract=c033, hash_block_size=16)
+    with pytest.raises(TypeError, match="contract must be a Contract"):
+        Coordinator([grp], 16, contract="0.33", hash_block_size=16)
+    with pytest.raises(TypeError, match="groups must be a non-empty sequence of KVCacheGroup"):
+        Coordinator([F(16)], 16, contract=c033, hash_block_size=16)
+    co = Coordinator([grp], 16, contract=c033, hash_block_size=16)
+    with pytest.raises(ValueError, match="max_length .* is far past the presence"):
+        co.check_presence([b"\x01"], 10**9)  # was a MemoryError at 10**12
+    with pytest.raises(ValueError, match="max_length must be <="):
+        co.check_presence([b"\x01"], 10**12)
+    with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
+        co.check_presence([], 16)
+    with pytest.raises(TypeError, match="presence must hold one bytes or bytearray per group"):
+        co.check_presence([[1]], 16)
+    co.check_presence([b"\x01\x01\x00"], 48)
+    assert co.longest_hit([b"\x01\x01\x00"], 48) == 32

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cores import CORE_C, CORE_PY
+from support.cores import CORE_C, CORE_PY
 
 pytestmark = pytest.mark.c_extension
 if CORE_C is None:
@@ -140,7 +140,7 @@ def test_reduce_presence_rejects_the_same_arguments_the_same_way(results, r):
 
 
 def test_reduce_presence_survives_an_item_that_empties_the_list():
-    """Issue 11, item 1: an item whose ``__eq__`` empties the list crashed the compiled core.
+    """An item whose ``__eq__`` empties the list crashed the compiled core.
     No item's ``__eq__`` runs now, so the list cannot change under the reduction."""
 
     class Emptier:

@@ -79,7 +79,7 @@ def test_dead_master_answers_zero_fast_then_restart_recovers(master, store, capl
         for _ in range(20):
             start = time.monotonic()
             assert engine.lookup(128, hashes) == 0
-            assert time.monotonic() - start < 1.0  # the raw client stalls ~4.3 s per call here (bound: issue 11)
+            assert time.monotonic() - start < 1.0  # the raw client stalls ~4.3 s per call here (the bound docs/mooncake.md states)
     lines = [r.getMessage() for r in caplog.records if r.name == "mooncake_keys.lookup"]
     assert len(lines) == 20 and all("unavailable" in line for line in lines), lines[:2]
 

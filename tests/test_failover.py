@@ -1,5 +1,5 @@
 """A Mooncake master failover survived, nothing lost: real etcd and HA masters (the driver runs
-in its own process: see tests/failover_driver.py)."""
+in its own process: see tests/support/failover_driver.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def failover():
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    out = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "failover_driver.py")], capture_output=True,
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "support" / "failover_driver.py")], capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MC_LOG_LEVEL="ERROR"))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

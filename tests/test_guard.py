@@ -57,7 +57,7 @@ def test_no_extensions_switch_forces_pure_python():
 
 
 def test_both_cores_have_the_same_functions():
-    from cores import CORE_C
+    from support.cores import CORE_C
 
     if CORE_C is None:
         pytest.skip("the compiled core is not built")

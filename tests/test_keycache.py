@@ -1,15 +1,17 @@
 """The key cache: what it keeps, what it reuses, and that it stays within its budgets."""
 
 import random
+import sys
 
 import pytest
 
 import mooncake_keys as mk
+from mooncake_keys.lookup.keycache import KeyCache
 
 LAYOUT = mk.ParallelLayout(tp_size=2, pp_size=2, num_kv_heads=2)
 
 
-def make(cache_bytes=mk.KeyCache().max_bytes, layout=LAYOUT):
+def make(cache_bytes=KeyCache().max_bytes, layout=LAYOUT):
     store = mk.MemoryStore()
     return mk.LookupEngine("m", [mk.FullAttentionSpec(16)], layout, hash_block_size=16, store=store,
                            key_cache_bytes=cache_bytes, vllm_compat="0.25")
@@ -71,25 +73,25 @@ def test_bad_budget():
         make(1.5)
 
 
-class RetainingStore:
-    """Keeps every other key list it is given (the list itself), and always its first string,
-    with snapshots of their contents."""
+def retaining_store():
+    """A store that keeps every other key list it is given (the list itself), and always its
+    first string, with snapshots of their contents; its own record would hold references to the
+    strings (which the core then leaves alone), so it keeps none."""
+    kept, firsts = [], []
 
-    def __init__(self):
-        self.kept = []
-        self.firsts = []
-
-    def batch_is_exist(self, keys):
-        if len(self.firsts) % 2 == 0:
-            self.kept.append((keys, [k.encode() for k in keys]))
-        self.firsts.append((keys[0], keys[0].encode()))
+    def answer(keys):
+        if len(firsts) % 2 == 0:
+            kept.append((keys, [k.encode() for k in keys]))
+        firsts.append((keys[0], keys[0].encode()))
         return [0] * len(keys)
+
+    return mk.RecordingStore(answer, record_keys=False), kept, firsts
 
 
 def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
     """The compiled core rewrites the last lookup's key strings that nothing else references.
     A store that keeps the lists (or single strings) it was given must never see them change."""
-    store = RetainingStore()
+    store, kept, firsts = retaining_store()
     e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     held = []
     for seed in range(12):
@@ -98,11 +100,11 @@ def test_rewritten_strings_are_never_visible_to_anyone_else(impl):
         if seed % 3 == 0:
             held.append((e.candidate_keys(128, hs), list(want)))  # a caller keeping its keys
         assert e.lookup(128, hs) == 0
-        assert store.firsts[-1][0] == want[0]
-    assert len(store.kept) == 6 and len(store.firsts) == 12
-    for keys, snapshot in store.kept:
+        assert firsts[-1][0] == want[0]
+    assert len(kept) == 6 and len(firsts) == 12
+    for keys, snapshot in kept:
         assert [k.encode() for k in keys] == snapshot
-    for key, snapshot in store.firsts:
+    for key, snapshot in firsts:
         assert key.encode() == snapshot
     for keys, want in held:
         assert keys == want
@@ -123,12 +125,12 @@ def test_recycled_strings_hash_like_fresh_ones(impl):
 def test_the_compiled_core_rewrites_the_previous_lookups_strings(impl):
     seen = []
 
-    class IdStore:
-        def batch_is_exist(self, keys):
-            seen.append(([id(k) for k in keys], [k.encode() for k in keys]))  # no references kept
-            return [0] * len(keys)
+    def answer(keys):
+        seen.append(([id(k) for k in keys], [k.encode() for k in keys]))  # no references kept
+        return [0] * len(keys)
 
-    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=IdStore(), vllm_compat="0.25")
+    store = mk.RecordingStore(answer, record_keys=False)
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], LAYOUT, hash_block_size=16, store=store, vllm_compat="0.25")
     e.lookup(128, hashes(300))
     spare_ids = {id(k) for k in e.key_cache._spare or ()}  # alive until the next lookup rewrites them
     e.lookup(128, hashes(301))
@@ -175,3 +177,67 @@ def test_concurrent_lookups_agree_with_serial_ones(impl):
         th.join()
     assert not errors, errors[:3]
     assert len(got) == 4 * len(reqs) and any(want)
+
+
+# --------------------------------------------------------------------- strings never rewritten
+F = mk.FullAttentionSpec
+
+
+def engine(store, **kw):
+    kw.setdefault("layout", mk.ParallelLayout(tp_size=2, num_kv_heads=2))
+    return mk.LookupEngine("m", [F(16)], kw.pop("layout"), hash_block_size=16, store=store, **kw)
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_key_with_a_cached_wide_copy_is_never_rewritten(impl, tp):
+    """On Python 3.11 the deprecated ``PyUnicode_AsUnicode`` (here through ``_testcapi``'s "u"
+    argument format, as any extension using it would) caches a wchar_t copy inside the str;
+    rewriting that str in place left the copy stale, so the key read back as the previous one."""
+    if sys.version_info >= (3, 12):
+        pytest.skip("no cached wchar_t copy in a str since Python 3.12")
+    _testcapi = pytest.importorskip("_testcapi")
+    import warnings
+
+    seen = []
+
+    def read_wide(keys):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # Read through the wide copy; keep only bytes, so the strings stay rewritable.
+            seen.append([(k.encode(), _testcapi.getargs_u(k).encode()) for k in keys])
+        return [0] * len(keys)
+
+    e = engine(mk.RecordingStore(read_wide, record_keys=False), layout=mk.ParallelLayout(tp_size=tp, num_kv_heads=tp))
+    for seed in range(4):
+        e.lookup(128, [bytes([seed, i]) * 8 for i in range(8)])
+    stale = [(k, w) for batch in seen for k, w in batch if k != w]
+    assert not stale, stale[:2]
+    assert [k.decode() for k, _ in seen[-1]] == e.candidate_keys(128, [bytes([3, i]) * 8 for i in range(8)])
+
+
+def test_a_key_whose_hash_was_computed_is_never_rewritten(impl):
+    """A str caches its hash: rewritten in place after a dict lookup it would keep the old
+    one, and ``hash(key)`` would disagree with an equal string's (a dict would miss it)."""
+    checked = []
+
+    def hashing(keys):
+        for k in keys:
+            checked.append(hash(k) == hash(k.encode().decode()))  # a fresh, equal str
+        return [0] * len(keys)
+
+    e = engine(mk.RecordingStore(hashing, record_keys=False))
+    for seed in range(6):
+        e.lookup(128, [bytes([seed, i]) * 8 for i in range(8)])
+    assert checked and all(checked)
+
+
+def test_non_ascii_heads_are_never_rewritten(impl):
+    wide = mk.LookupEngine("модель", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2), hash_block_size=16,
+                           store=mk.RecordingStore(lambda keys: [0] * len(keys)))
+    sent = []
+    wide.store = mk.RecordingStore(lambda keys: sent.append([k.encode() for k in keys]) or [0] * len(keys),
+                                   record_keys=False)
+    for seed in range(4):
+        hashes = [bytes([seed, i]) * 8 for i in range(8)]
+        wide.lookup(128, hashes)
+        assert [k.decode() for k in sent[-1]] == wide.candidate_keys(128, hashes)
+    assert all(k.startswith("модель@".encode()) for batch in sent for k in batch)

@@ -1,4 +1,4 @@
-"""The key grammar (spec section 2) and the core's key building."""
+"""The key grammar (lookup/keys.py) and the core's key building."""
 
 import dataclasses
 from array import array
@@ -102,3 +102,24 @@ def test_reduce_presence(impl, r):
 
 def test_reduce_presence_only_exact_one_counts(impl):
     assert list(impl.reduce_presence([1, True, 2, 1 << 70, -1, 0], 1)) == [1, 1, 0, 0, 0, 0]
+
+
+# --------------------------------------------------------------------- the key types' checks
+def test_pool_key_names_its_bad_fields():
+    md = mk.KeyMetadata("m", 0, 0, 0, 0)
+    for bad in (None, "x"):
+        with pytest.raises(TypeError, match="key_metadata must be a KeyMetadata"):
+            mk.PoolKey(bad, "ab")
+    with pytest.raises(TypeError, match="key_metadata must be a KeyMetadata"):
+        mk.PoolKey.build_prefix(None)
+    with pytest.raises(TypeError, match="chunk_hash must be a str"):
+        mk.PoolKey(md, None)
+    assert mk.PoolKey(md, "ab").to_string() == "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab"
+
+
+def test_key_metadata_refuses_text_utf8_cannot_encode():
+    for kw in (dict(model_name="\ud800"), dict(model_name="m", cache_prefix="\udcff"),
+               dict(model_name="m", store_namespace="@store_tp:\ud800")):
+        name = next(k for k, v in kw.items() if not v.isascii() or "\ud800" in v or "\udcff" in v)
+        with pytest.raises(ValueError, match=f"{name} must be valid text"):
+            mk.KeyMetadata(kw.pop("model_name"), 0, 0, 0, 0, **kw)

@@ -32,6 +32,7 @@ from mooncake_keys.kvpool import (  # noqa: E402
     KVPoolError,
     KVPoolStoreError,
 )
+from support.child import run_child  # noqa: E402
 
 F, S, G = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.KVCacheGroup
 OBJECT_NOT_FOUND = -704
@@ -76,13 +77,14 @@ def pool(store, groups=(F(16),), layout=None, *, rank=(0, 0, 0, 0), kv_caches=No
                   hash_block_size=hash_block_size, store=store, **kw, vllm_compat="0.25")
 
 
-class FaultyStore(mk.MemoryStore):
-    """A MemoryStore whose calls can raise, answer given codes, or register with a given rc."""
+class FaultyIO(mk.MemoryStore):
+    """A MemoryStore whose puts, gets and buffer registrations can raise or answer given codes
+    (its ``batch_is_exist`` faults are ``mk.RecordingStore``'s, in front of it)."""
 
-    def __init__(self, *, put_codes=None, get_codes=None, raise_on=(), register_rc=None, results_len=None):
+    def __init__(self, *, put_codes=None, get_codes=None, raise_on=(), register_rc=None):
         super().__init__()
         self.put_codes, self.get_codes, self.raise_on = put_codes, get_codes, set(raise_on)
-        self.register_rc, self.results_len = register_rc, results_len
+        self.register_rc = register_rc
         self.registered: Dict[int, int] = {}
         self.unregistered: List[int] = []
 
@@ -99,11 +101,6 @@ class FaultyStore(mk.MemoryStore):
     def unregister_buffer(self, ptr):
         self.unregistered.append(ptr)
         return 0 if self.registered.pop(ptr, None) is not None else -600
-
-    def batch_is_exist(self, keys):
-        self._maybe_raise("batch_is_exist")
-        res = super().batch_is_exist(keys)
-        return res[: self.results_len] if self.results_len is not None else res
 
     def batch_put_from(self, keys, ptrs, sizes):
         self._maybe_raise("batch_put_from")
@@ -132,8 +129,8 @@ def test_keys_are_the_grammar_of_the_writer_namespace(impl):
     lay = mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=2)
     hs = hashes_of(4)
     with pool(store, layout=lay, rank=(3, 0, 0, 1), cache_prefix="depA") as p:
-        assert p.namespace == (1, 0, 0, 1)
-        assert p.prefixes == ("depA@m@tp_rank:1@pcp0@dcp0@pp_rank:1@group:0",)
+        assert p.writer_namespace == (1, 0, 0, 1)
+        assert p.writer_prefixes == ("depA@m@tp_rank:1@pcp0@dcp0@pp_rank:1@group:0",)
         res = p.save(64, hs, [0, 1, 2, 3])
     # Stripe of tp 3 with put_step 2, group 0: chunks j with j % 2 == 1.
     assert res.chunks == ((1, 3),)
@@ -164,14 +161,15 @@ def test_save_floors_token_len_and_skips_chunks_without_a_hash(impl):
 
 
 def test_save_of_nothing_calls_no_store(impl):
-    st = FaultyStore(raise_on={"batch_is_exist", "batch_put_from"})
+    st = mk.RecordingStore(FaultyIO(raise_on={"batch_put_from"}), fault=ConnectionError("master unreachable"))
     with pool(st) as p:
         assert p.save(15, hashes_of(4), []).asked == 0  # floors to 0
         assert p.save(64, [], []).asked == 0
+    assert st.calls == []
 
 
 def test_save_stores_exactly_what_the_lookup_asks_hybrid(impl):
-    """Full(32) + SWA(8, 8), lcm 32: SWA chunks 3, 7, 11 (spec §12), full chunks 0..2."""
+    """Full(32) + SWA(8, 8), lcm 32: SWA chunks 3, 7, 11 (the lookup mask), full chunks 0..2."""
     store = mk.MemoryStore()
     groups = [F(32), S(8, 8)]
     hs = hashes_of(12)
@@ -200,8 +198,8 @@ def test_put_striding_covers_every_chunk_exactly_once(impl, heads):
             for g, cs in enumerate(res.chunks):
                 for j in cs:
                     assert j % lay.put_step == (r[0] + g) % lay.put_step
-                    assert (p.namespace[0], g, j) not in seen
-                    seen[(p.namespace[0], g, j)] = r[0]
+                    assert (p.writer_namespace[0], g, j) not in seen
+                    seen[(p.writer_namespace[0], g, j)] = r[0]
     assert set(seen) == {(ns, g, j) for ns in range(heads) for g, n in ((0, 8), (1, 4)) for j in range(n)}
     eng = mk.LookupEngine("m", groups, lay, hash_block_size=16, store=store, vllm_compat="0.25")
     assert set(store.keys()) == set(eng.candidate_keys(128, hs))
@@ -209,7 +207,7 @@ def test_put_striding_covers_every_chunk_exactly_once(impl, heads):
 
 
 def test_put_failures_are_reported_per_chunk(impl):
-    st = FaultyStore(put_codes=lambda keys: [-200 if i == 1 else 0 for i in range(len(keys))])
+    st = FaultyIO(put_codes=lambda keys: [-200 if i == 1 else 0 for i in range(len(keys))])
     hs = hashes_of(3)
     with pool(st) as p:
         res = p.save(48, hs, [0, 1, 2])
@@ -220,14 +218,17 @@ def test_put_failures_are_reported_per_chunk(impl):
 
 @pytest.mark.parametrize("method", ["batch_is_exist", "batch_put_from"])
 def test_save_store_exception_raises_a_clear_error(impl, method):
-    st = FaultyStore(raise_on={method})
+    if method == "batch_is_exist":
+        st = mk.RecordingStore(FaultyIO(), fault=ConnectionError("master unreachable"))
+    else:
+        st = FaultyIO(raise_on={method})
     with pool(st) as p:
         with pytest.raises(KVPoolStoreError, match=f"store.{method} of 2 keys raised ConnectionError"):
             p.save(32, hashes_of(2), [0, 1])
 
 
 def test_malformed_store_results_raise(impl):
-    st = FaultyStore(results_len=1)
+    st = mk.RecordingStore(mk.MemoryStore(), fault="short")
     with pool(st) as p:
         with pytest.raises(KVPoolStoreError, match="returned 1 results for 2 keys"):
             p.save(32, hashes_of(2), [0, 1])
@@ -281,7 +282,7 @@ def test_load_short_read_is_a_failure_and_zeroed(impl):
 
 
 def test_load_store_exception_zeroes_every_destination(impl):
-    st = FaultyStore(raise_on={"batch_get_into"})
+    st = FaultyIO(raise_on={"batch_get_into"})
     kv = random_cache(random.Random(6), 4, 64)
     with pool(st, kv_caches=kv) as p:
         with pytest.raises(KVPoolStoreError, match="batch_get_into of 2 keys raised ConnectionError"):
@@ -291,7 +292,7 @@ def test_load_store_exception_zeroes_every_destination(impl):
 
 def test_load_sliding_window_reads_only_the_window_before_the_end(impl):
     """Full(32) + SWA(8, 8): a load of 96 needs full chunks 0..2 and SWA chunk 11 only; the SWA
-    keys of earlier boundaries may be gone (a lookup still reports 96, spec §14.1)."""
+    keys of earlier boundaries may be gone (a lookup still reports 96)."""
     store = mk.MemoryStore()
     groups = [F(32), S(8, 8)]
     hs = hashes_of(12)
@@ -367,7 +368,7 @@ def test_load_with_too_few_hashes_is_not_ok(impl):
 
 
 def test_registers_once_per_memory_range_and_unregisters_on_close(impl):
-    st = FaultyStore()
+    st = FaultyIO()
     shared = random_cache(random.Random(0), 8, 64)
     other = random_cache(random.Random(1), 4, 32)
     with pool(st, [F(16), S(16, 32), F(32)], kv_caches=[shared, shared[2:], other]) as p:
@@ -383,7 +384,7 @@ def test_registers_once_per_memory_range_and_unregisters_on_close(impl):
 
 
 def test_register_failure_is_a_clear_error_and_undoes_the_rest(impl):
-    st = FaultyStore(register_rc=lambda n: -600 if n == 1 else 0)
+    st = FaultyIO(register_rc=lambda n: -600 if n == 1 else 0)
     kv = [random_cache(random.Random(0), 4, 64), random_cache(random.Random(1), 4, 64)]
     with pytest.raises(KVPoolError, match=r"register_buffer\(0x[0-9a-f]+, 256\).*returned -600"):
         pool(st, [F(16), F(32)], kv_caches=kv)
@@ -452,7 +453,7 @@ def test_bad_rank():
     with pytest.raises(TypeError, match=r"rank must be a \(tp, pcp, dcp, pp\) tuple"):
         pool(store, layout=lay, rank=0)
     with pool(store, layout=lay, rank=[3, 0, 1, 0]) as p:
-        assert p.namespace == (3, 0, 1, 0)
+        assert p.writer_namespace == (3, 0, 1, 0)
 
 
 def test_bad_deployment_and_store():
@@ -634,7 +635,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
 
         # No false miss: every aligned prefix is a full hit (EAGLE: what an all-present store gives).
         for t in range(sched, T + 1, sched):
-            full = engine.coordinator.find_longest_cache_hit(
+            full = engine.coordinator.longest_hit(
                 [b"\x01" * (t // grp.spec.block_size) for grp in groups], t)
             assert engine.lookup(t, hs) == full
             if not (case.use_eagle or any(getattr(g, "is_eagle_group", False) for g in case.groups)):
@@ -651,7 +652,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
             _, pcp, dcp, pp = r
 
             def expected(g: int, j: int) -> bytes:  # the writer of the chunk under the A+ stripe
-                writer = (rk.pool.namespace[0] * ps + (j - g) % ps, pcp, dcp, pp)
+                writer = (rk.pool.writer_namespace[0] * ps + (j - g) % ps, pcp, dcp, pp)
                 return ranks[writer].saved[(g, j)]
 
             # No false hit: the hit loads on every rank, with the writer's bytes.
@@ -676,7 +677,7 @@ def _round_trip(store, case, remove_key, rng, engine, T, hs, cands, deploy) -> N
                         assert got == expected(g, c.chunk_id)
                     else:
                         assert c.code == OBJECT_NOT_FOUND and got == bytes(len(got))
-                        assert key_of("Model-X", rk.pool.namespace, g, hs[
+                        assert key_of("Model-X", rk.pool.writer_namespace, g, hs[
                             (c.chunk_id + 1) * groups[g].spec.block_size // case.hash_block_size - 1], prefix) in removed
 
 
@@ -692,12 +693,12 @@ def test_round_trip_memory_store(impl, case):
 
 @pytest.fixture
 def real_store(request):
-    """The session's holder client of a real mooncake_master (tests/mooncake_fixtures.py)."""
+    """The session's holder client of a real mooncake_master (tests/support/mooncake_fixtures.py)."""
     pytest.importorskip("mooncake.store")
     try:
         return request.getfixturevalue("mooncake_store")
     except pytest.FixtureLookupError:
-        pytest.skip("the mooncake fixtures (tests/mooncake_fixtures.py) are not available")
+        pytest.skip("the mooncake fixtures (tests/support/mooncake_fixtures.py) are not available")
 
 
 @pytest.mark.mooncake
@@ -731,3 +732,26 @@ def test_real_master_load_failures_and_registration(real_store):
         assert res.chunks[0][1] == ChunkStatus(1, False, 10) and block_bytes(kv, 5) == bytes(128)
     for h in hs:
         real_store.remove(key_of("m", (0, 0, 0, 0), 0, h, prefix), True)
+
+
+# --------------------------------------------------------------------- reallocated memory
+def test_a_resized_kv_cache_is_refused_not_read():
+    pytest.importorskip("torch")
+    out = run_child("""
+        import torch, mooncake_keys as mk
+        kv = torch.zeros(4, 64, dtype=torch.uint8)
+        store = mk.MemoryStore()
+        pool = mk.KVPool("m", [mk.FullAttentionSpec(16)], mk.ParallelLayout(), rank=(0, 0, 0, 0),
+                         kv_caches=kv, hash_block_size=16, store=store)
+        kv.resize_(4096, 4096)  # reallocates the storage the pool registered
+        for call in (lambda: pool.save(32, [b"a" * 16, b"b" * 16], [0, 1]),
+                     lambda: pool.load(32, [b"a" * 16, b"b" * 16], [0, 1])):
+            try:
+                call()
+            except mk.KVPoolError as exc:
+                print("REFUSED", "reallocated" in str(exc))
+        print("stored", len(store))
+        pool.close()
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["REFUSED", "True", "REFUSED", "True", "stored", "0"]

@@ -35,7 +35,7 @@ class Rank:
         self.rank = rank
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "tests" / "rank_worker.py"), master, ",".join(map(str, rank))],
+            [sys.executable, str(REPO_ROOT / "tests" / "support" / "rank_worker.py"), master, ",".join(map(str, rank))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MC_LOG_LEVEL="ERROR"),
         )

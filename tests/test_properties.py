@@ -1,5 +1,5 @@
 """Random layouts, group mixes, hash lengths, names and existence: the compiled core, the pure
-core and the plain reference (tests/reference.py) must agree on every key and every hit."""
+core and the plain reference (tests/support/reference.py) must agree on every key and every hit."""
 
 import random
 
@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mooncake_keys as mk
-from reference import RefEngine
+from support.reference import RefEngine
 
 SETTINGS = settings(max_examples=int(__import__("os").environ.get("MK_EXAMPLES", "300")), deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -75,20 +75,21 @@ def _distinct_hashes(rnd, n, hash_len):
     return out
 
 
-class KeyedAnswer:
-    """A store whose per-key answer is a pure function of the key (same key, same answer)."""
-
-    def __init__(self, seed, density):
-        self.seed, self.density = seed, density
-
-    def answer(self, key):
-        r = random.Random(f"{self.seed}:{key}").random()
-        if r < self.density:
+def keyed_answer(seed, density):
+    """A store's answer per key, a pure function of the key (same key, same answer): present
+    with probability ``density``, else absent or an odd code."""
+    def answer(key):
+        if random.Random(f"{seed}:{key}").random() < density:
             return 1
-        return random.Random(f"{key}:{self.seed}").choice([0, -1, -704, 2])
+        return random.Random(f"{key}:{seed}").choice([0, -1, -704, 2])
 
-    def batch_is_exist(self, keys):
-        return [self.answer(k) for k in keys]
+    return answer
+
+
+def keyed_store(case):
+    # Nothing recorded: a record would hold the key strings, which the compiled core then
+    # could not reuse, and the reuse must be exercised here too.
+    return mk.RecordingStore(present=keyed_answer(case["seed"], case["density"]), record_keys=False)
 
 
 def _build(case, store, **kw):
@@ -110,7 +111,7 @@ def _build(case, store, **kw):
 def test_keys_and_hits_match_reference(impl, case):
     rnd = random.Random(case["seed"])
     hashes = _distinct_hashes(rnd, case["num_hashes"], case["hash_len"])
-    store = KeyedAnswer(case["seed"], case["density"])
+    store = keyed_store(case)
     eng, ref = _build(case, store)
     expected_keys = ref.candidates(case["token_len"], hashes)[0] if hashes and case["token_len"] > 0 else []
     assert eng.candidate_keys(case["token_len"], hashes) == expected_keys
@@ -127,7 +128,7 @@ def test_keys_and_hits_match_reference(impl, case):
 @given(case=cases(), cache_bytes=st.sampled_from([0, 1, 2000, 1 << 20]))
 def test_key_cache_budget_never_changes_keys(impl, case, cache_bytes):
     rnd = random.Random(case["seed"])
-    store = KeyedAnswer(case["seed"], case["density"])
+    store = keyed_store(case)
     eng, ref = _build(case, store, key_cache_bytes=cache_bytes)
     shared = _distinct_hashes(rnd, case["num_hashes"], case["hash_len"])
     previous = []
@@ -154,8 +155,8 @@ def test_skip_tokens_equals_lookup_with_skipped_chunks_present(impl, case, skip_
     against a store in which those chunks exist in every namespace."""
     rnd = random.Random(case["seed"])
     hashes = _distinct_hashes(rnd, case["num_hashes"], case["hash_len"])
-    base = KeyedAnswer(case["seed"], case["density"])
-    eng, _ = _build(case, base)
+    answer = keyed_answer(case["seed"], case["density"])
+    eng, _ = _build(case, mk.RecordingStore(present=answer, record_keys=False))
     skip = int(case["token_len"] * skip_frac)
     below = set()
     for g, spec in enumerate(case["specs"]):
@@ -164,16 +165,12 @@ def test_skip_tokens_equals_lookup_with_skipped_chunks_present(impl, case, skip_
             if j * scale + scale - 1 < len(hashes):
                 below.add((g, hashes[j * scale + scale - 1].hex()))
 
-    class WithSkippedPresent:
-        def batch_is_exist(self, keys):
-            out = []
-            for k in keys:
-                head, hx = k.rsplit("@", 1)
-                g = int(head.rsplit("@group:", 1)[1])
-                out.append(1 if (g, hx) in below else base.answer(k))
-            return out
+    def with_skipped_present(key):
+        head, hx = key.rsplit("@", 1)
+        g = int(head.rsplit("@group:", 1)[1])
+        return 1 if (g, hx) in below else answer(key)
 
-    plain, _ = _build(case, WithSkippedPresent())
+    plain, _ = _build(case, mk.RecordingStore(present=with_skipped_present, record_keys=False))
     sent = eng.candidate_keys(case["token_len"], hashes, skip_tokens=skip)
     all_keys = plain.candidate_keys(case["token_len"], hashes)
     assert set(sent) <= set(all_keys)

@@ -6,13 +6,15 @@ import sys
 import mooncake_keys as mk
 
 PUBLIC = [
-    "ACCELERATED", "BlockHashes", "Coordinator", "Deployment", "FullAttentionSpec", "KVCacheGroup",
-    "KVPool", "KVPoolError", "KVPoolStoreError", "KeyCache", "KeyCacheStats", "KeyMetadata",
+    "ACCELERATED", "BlockHashes", "Deployment", "FullAttentionSpec", "KVCacheGroup",
+    "KVPool", "KVPoolError", "KVPoolStoreError", "KeyMetadata",
     "LoadResult", "LocalMaster", "LocalMasterError", "LookupEngine", "LookupResult", "LookupStats",
     "MemoryStore", "MooncakeStore", "MooncakeStoreConfig", "MooncakeStoreError", "MooncakeStoreUnavailable",
-    "OpenStore", "ParallelLayout", "PoolKey", "SaveResult", "SlidingWindowSpec", "TailKeyBoundary",
-    "model_name_from_path", "open_store",
+    "OpenStore", "ParallelLayout", "PoolKey", "RecordingStore", "SaveResult", "SlidingWindowSpec", "TailKeyBoundary",
+    "model_name_from_path", "open_store", "__version__",
 ]
+#: Internals: importable from their modules, not from the package.
+INTERNAL = {"Coordinator": "lookup.coordinator", "KeyCache": "lookup.keycache", "KeyCacheStats": "lookup.keycache"}
 
 
 def test_the_public_names():
@@ -21,14 +23,23 @@ def test_the_public_names():
         assert getattr(mk, name) is not None, name
 
 
+def test_internals_stay_in_their_modules():
+    import importlib
+
+    for name, module in INTERNAL.items():
+        assert name not in mk.__all__ and not hasattr(mk, name)
+        assert getattr(importlib.import_module(f"mooncake_keys.{module}"), name) is not None
+
+
 def test_public_names_come_from_their_owners():
-    from mooncake_keys.lookup import _core, engine, keys, layout, specs
-    from mooncake_keys.store import memory
+    from mooncake_keys.lookup import _core, deployment, engine, keys, layout, specs
+    from mooncake_keys.store import memory, recording
 
     assert mk.ACCELERATED is _core.ACCELERATED
     assert mk.LookupEngine is engine.LookupEngine and mk.LookupResult is engine.LookupResult
     assert mk.KeyMetadata is keys.KeyMetadata and mk.ParallelLayout is layout.ParallelLayout
     assert mk.FullAttentionSpec is specs.FullAttentionSpec and mk.MemoryStore is memory.MemoryStore
+    assert mk.RecordingStore is recording.RecordingStore and mk.Deployment is deployment.Deployment
 
 
 def test_import_is_light():
@@ -56,3 +67,13 @@ def test_the_vllm_dropin_says_what_to_install_when_vllm_is_missing():
     first, second = out.stdout.strip().splitlines()
     assert first.startswith("IMPORTERROR") and "pip install 'vllm==0.33.*'" in first
     assert second == "0"
+
+
+def test_the_version_is_written_once():
+    """``__version__`` is the one place; the package metadata reads it (pyproject's dynamic version)."""
+    from importlib import metadata
+    from pathlib import Path
+
+    assert metadata.version("mooncake-keys") == mk.__version__
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and mk.__version__ not in pyproject

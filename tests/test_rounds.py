@@ -16,20 +16,14 @@ SETTINGS = settings(max_examples=int(os.environ.get("MK_EXAMPLES", "300")), dead
                     suppress_health_check=list(HealthCheck))
 
 
-class SetStore:
-    def __init__(self, present):
-        self.present = present
-        self.calls = 0
-        self.keys = 0
-        self.asked = set()
-        self.asked_twice = 0
-
-    def batch_is_exist(self, keys):
-        self.calls += 1
-        self.keys += len(keys)
-        self.asked_twice += sum(1 for k in keys if k in self.asked)
-        self.asked.update(keys)
-        return [1 if k in self.present else 0 for k in keys]
+def asked_twice(store: mk.RecordingStore) -> int:
+    """Keys asked again in a later call of ``store``."""
+    seen: set = set()
+    twice = 0
+    for keys in store.calls:
+        twice += sum(1 for k in keys if k in seen)
+        seen.update(keys)
+    return twice
 
 
 @st.composite
@@ -52,7 +46,7 @@ def deployments(draw):
 @st.composite
 def cases(draw):
     dep = draw(deployments())
-    probe = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    probe = mk.LookupEngine("m", store=mk.RecordingStore(), **dep)
     sbs = probe.scheduler_block_size
     n_hashes = draw(st.integers(0, 48))
     tokens = draw(st.integers(0, n_hashes + 2)) * dep["hash_block_size"]
@@ -85,14 +79,14 @@ def test_rounds_answer_as_one_shot(impl, case):
     dep, n_hashes, tokens, seed, kind = case
     rng = random.Random(seed)
     hashes = [rng.randbytes(16) for _ in range(n_hashes)]
-    builder = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    builder = mk.LookupEngine("m", store=mk.RecordingStore(), **dep)
     present = store_for(builder, hashes, kind, seed)
-    one, rounds = SetStore(present), SetStore(present)
+    one, rounds = mk.RecordingStore(present=present), mk.RecordingStore(present=present)
     skip = rng.choice([0, 0, rng.randrange(tokens + 1)]) if tokens > 0 else 0
     a = mk.LookupEngine("m", store=one, strategy="oneshot", **dep).lookup_result(tokens, hashes, skip_tokens=skip)
     b = mk.LookupEngine("m", store=rounds, strategy="rounds", rounds_min_keys=0, **dep).lookup_result(tokens, hashes, skip_tokens=skip)
     assert a == b
-    assert rounds.keys <= one.keys and rounds.asked_twice == 0  # no chunk is asked twice
+    assert rounds.keys_asked <= one.keys_asked and asked_twice(rounds) == 0  # no chunk is asked twice
 
 
 @SETTINGS
@@ -101,7 +95,7 @@ def test_hit_grows_with_presence_where_the_coordinator_says_so(impl, case, data)
     """The theorem rounds rely on: where hit_is_monotone, one more present chunk never
     shortens the hit (checked on the engine's own hit function, re-derivation included)."""
     dep, n_hashes, tokens, seed, _ = case
-    e = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    e = mk.LookupEngine("m", store=mk.RecordingStore(), **dep)
     d = e.deployment
     aligned = d.coordinator.align(tokens)
     if not d.coordinator.hit_is_monotone or aligned <= 0 or n_hashes == 0:
@@ -133,42 +127,36 @@ def test_where_the_hit_is_not_monotone_rounds_ask_one_shot(impl):
                layout=mk.ParallelLayout(tp_size=1, pp_size=2, num_kv_heads=1))
     rng = random.Random(214)
     hashes = [rng.randbytes(16) for _ in range(32)]
-    e = mk.LookupEngine("m", store=SetStore(set()), **dep)
+    e = mk.LookupEngine("m", store=mk.RecordingStore(), **dep)
     assert not e.deployment.coordinator.hit_is_monotone
     present = store_for(e, hashes, "holes", 214)
-    one, rounds = SetStore(present), SetStore(present)
+    one, rounds = mk.RecordingStore(present=present), mk.RecordingStore(present=present)
     a = mk.LookupEngine("m", store=one, strategy="oneshot", **dep).lookup_result(384, hashes)
     r = mk.LookupEngine("m", store=rounds, strategy="rounds", rounds_min_keys=0, **dep)
     assert r.strategy == "oneshot"
     assert r.lookup_result(384, hashes) == a and a.hit_length == 128
-    assert (rounds.calls, rounds.keys) == (one.calls, one.keys)
+    assert (rounds.num_calls, rounds.keys_asked) == (one.num_calls, one.keys_asked)
     # The same store plus chunks 9-12 of group 2 (16-token chunks: hashes 9-12) hits nothing.
     more = {k for k in e.candidate_keys(512, hashes)
             if "@group:2@" in k and k.rsplit("@", 1)[1] in {h.hex() for h in hashes[9:13]}}
     assert not more & present
-    assert mk.LookupEngine("m", store=SetStore(present | more), **dep).lookup(384, hashes) == 0
+    assert mk.LookupEngine("m", store=mk.RecordingStore(present=present | more), **dep).lookup(384, hashes) == 0
 
 
 def test_a_miss_costs_one_small_round(impl):
-    store = SetStore(set())
+    store = mk.RecordingStore()
     e = mk.LookupEngine("m", [F(64)], mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8), hash_block_size=64,
                         store=store, strategy="rounds", rounds_min_keys=0)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(2048)]
     assert e.lookup(2048 * 64, hashes) == 0
-    assert (store.calls, store.keys) == (1, 8 * 8)  # the first 8 chunks in every namespace
+    assert (store.num_calls, store.keys_asked) == (1, 8 * 8)  # the first 8 chunks in every namespace
 
 
 def test_a_store_fault_in_any_round_answers_zero(impl, caplog):
-    class FailsSecond(SetStore):
-        def batch_is_exist(self, keys):
-            if self.calls == 1:
-                self.calls += 1
-                raise ConnectionError("gone")
-            return super().batch_is_exist(keys)
-
     hashes = [bytes([i]) * 16 for i in range(64)]
-    builder = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()))
-    store = FailsSecond(set(builder.candidate_keys(64 * 16, hashes)))
+    builder = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore())
+    store = mk.RecordingStore(present=set(builder.candidate_keys(64 * 16, hashes)), fault=ConnectionError("gone"),
+                             fault_calls={1})
     e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=store, strategy="rounds", rounds_min_keys=0)
     assert e.lookup(64 * 16 + 1, hashes) == 0
     assert e.stats().store_failures == 1 and "ConnectionError" in caplog.text
@@ -177,28 +165,28 @@ def test_a_store_fault_in_any_round_answers_zero(impl, caplog):
 def test_rounds_are_the_default_but_short_lookups_ask_one_shot(impl):
     hashes = [bytes([i % 256, i // 256]) * 8 for i in range(300)]
     e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=4, num_kv_heads=4), hash_block_size=16,
-                        store=SetStore(set()))
+                        store=mk.RecordingStore())
     assert e.strategy == "rounds" and e.rounds_min_keys == mk.lookup.rounds.MIN_KEYS == 2048
-    e.store = small = SetStore(set())
+    e.store = small = mk.RecordingStore()
     assert e.lookup(256 * 16, hashes) == 0  # 256 chunks x 4 namespaces = 1,024 keys: one-shot
-    assert (small.calls, small.keys) == (1, 1024)
-    e.store = big = SetStore(set())
-    assert e.lookup(300 * 16, hashes) == 0 and big.calls == 1
+    assert (small.num_calls, small.keys_asked) == (1, 1024)
+    e.store = big = mk.RecordingStore()
+    assert e.lookup(300 * 16, hashes) == 0 and big.num_calls == 1
     assert e.lookup(300 * 16, hashes) == 0  # 1,200 keys: still one-shot
     e.rounds_min_keys = 1200
-    e.store = big = SetStore(set())
-    assert e.lookup(300 * 16, hashes) == 0 and (big.calls, big.keys) == (1, 8 * 4)
+    e.store = big = mk.RecordingStore()
+    assert e.lookup(300 * 16, hashes) == 0 and (big.num_calls, big.keys_asked) == (1, 8 * 4)
 
 
 def test_strategy_is_checked():
     import pytest
 
     with pytest.raises(ValueError, match="strategy must be one of"):
-        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()), strategy="x")
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore(), strategy="x")
     with pytest.raises(ValueError, match="rounds_min_keys must be >= 0"):
-        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()), rounds_min_keys=-1)
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore(), rounds_min_keys=-1)
     with pytest.raises(TypeError, match="rounds_min_keys must be an int"):
-        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()), rounds_min_keys=1.5)
+        mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore(), rounds_min_keys=1.5)
 
 
 def test_on_a_real_master_a_miss_asks_64_keys_and_a_hit_answers_as_one_shot():
@@ -222,7 +210,7 @@ def test_a_sliding_window_round_stays_between_the_bounds():
     and the round is larger than what lies between the bounds."""
     from mooncake_keys.lookup.rounds import Rounds
 
-    e = mk.LookupEngine("m", [F(16), S(16, 32)], mk.ParallelLayout(), hash_block_size=16, store=SetStore(set()))
+    e = mk.LookupEngine("m", [F(16), S(16, 32)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore())
     dep = e.deployment
     plan = dep.plan(64 * 16, 64, 0)
     swa = Rounds(dep, plan).groups[1]

@@ -2,7 +2,7 @@
 
 Every expected value here was produced by vLLM 0.33.0's ``MooncakeStoreWorker.lookup`` built
 by its own ``__init__`` (only the GPU, rank and store parts replaced); the generated
-comparison against the real package lives in ``tests/vllm/``. These are the readable cases.
+comparison against the real package lives in ``tests/against_vllm/``. These are the readable cases.
 Model ``test-model``. vLLM's examples used hashes ``h(i)``, whose lengths differ
 past ``h9``; mooncake_keys wants hashes of one length (vLLM's wire format has one ``hash_len``),
 so these use ``h(i) = f"h{i:02d}".encode()``: the same structure, other hex.
@@ -33,21 +33,6 @@ def key(g, hsh, **kw):
     return f"{PFX(g, **kw)}@{hsh.hex()}"
 
 
-class SetStore:
-    """Answers 1 for the keys in ``present``; records every call."""
-
-    def __init__(self, present=(), raises=None):
-        self.present = set(present)
-        self.raises = raises
-        self.calls = []
-
-    def batch_is_exist(self, keys):
-        self.calls.append(list(keys))
-        if self.raises:
-            raise self.raises
-        return [1 if k in self.present else 0 for k in keys]
-
-
 def engine(groups, store, layout=None, hbs=16, **kw):
     return mk.LookupEngine("test-model", groups, layout or mk.ParallelLayout(num_kv_heads=8),
                            hash_block_size=hbs, store=store, **kw)
@@ -58,9 +43,9 @@ def result(r):
 
 
 def test_0_33_is_the_default_and_other_values_are_refused():
-    assert engine([F(16)], SetStore()).vllm_compat == "0.33"
+    assert engine([F(16)], mk.RecordingStore()).vllm_compat == "0.33"
     with pytest.raises(ValueError, match=r"vllm_compat must be one of \['0.25', '0.33'\]"):
-        engine([F(16)], SetStore(), vllm_compat="0.30")
+        engine([F(16)], mk.RecordingStore(), vllm_compat="0.30")
 
 
 # ------------------------------------------------------------------------ E1: one Full(16)
@@ -68,13 +53,13 @@ A = [b"a0", b"a1", b"a2"]
 
 
 def test_e1_partial_prefix():
-    st = SetStore({key(0, A[0]), key(0, A[1])})
+    st = mk.RecordingStore(present={key(0, A[0]), key(0, A[1])})
     assert result(engine([F(16)], st).lookup_result(48, A)) == (32, ((0, 32),))
     assert st.calls == [[key(0, x) for x in A]]
 
 
 def test_e1_a_full_hit_is_rederived_one_block_shorter():
-    st = SetStore({key(0, x) for x in A})
+    st = mk.RecordingStore(present={key(0, x) for x in A})
     e = engine([F(16)], st)
     assert result(e.lookup_result(48, A)) == (32, ((0, 32),))
     assert len(st.calls) == 1  # found again from the same answers: no second call
@@ -82,13 +67,13 @@ def test_e1_a_full_hit_is_rederived_one_block_shorter():
 
 
 def test_e1_num_tokens_is_aligned_down():
-    st = SetStore({key(0, x) for x in A})
+    st = mk.RecordingStore(present={key(0, x) for x in A})
     assert result(engine([F(16)], st).lookup_result(50, A)) == (48, ((0, 48),))
     assert st.calls == [[key(0, x) for x in A]]
 
 
 def test_e1_nothing_to_look_up():
-    st = SetStore({key(0, x) for x in A})
+    st = mk.RecordingStore(present={key(0, x) for x in A})
     e = engine([F(16)], st)
     assert result(e.lookup_result(15, A)) == (0, ())
     assert result(e.lookup_result(48, [])) == (0, ())
@@ -104,7 +89,7 @@ KEYS6 = [key(g, x) for g in (0, 1) for x in (h(3), h(7), h(11))]
 
 def hyb_store(swa_chunks, full=True):
     present = {key(0, x) for x in (h(3), h(7), h(11))} if full else set()
-    return SetStore(present | {key(1, h(c)) for c in swa_chunks})
+    return mk.RecordingStore(present=present | {key(1, h(c)) for c in swa_chunks})
 
 
 @pytest.mark.parametrize("swa,num_tokens,want", [
@@ -120,7 +105,7 @@ def test_e2_hybrid(swa, num_tokens, want):
 
 
 def test_e2_hybrid_prefix_only():
-    st = SetStore({key(0, h(3)), key(1, h(3))})
+    st = mk.RecordingStore(present={key(0, h(3)), key(1, h(3))})
     assert result(engine(HYB, st, hbs=8).lookup_result(96, H(12))) == (32, ((0, 32), (1, 32)))
 
 
@@ -135,31 +120,31 @@ def test_e2_hybrid_window_16(swa, want):
 def test_e3_three_attention_groups():
     groups = [F(32), S(8, 8), S(16, 32)]
     full = {key(0, h(i)) for i in (3, 7, 11)}
-    st = SetStore(full | {key(1, h(i)) for i in (3, 7, 11)}
+    st = mk.RecordingStore(present=full | {key(1, h(i)) for i in (3, 7, 11)}
                   | {key(2, h(i)) for i in (1, 3, 5, 7)})
     e = engine(groups, st, hbs=8)
     assert result(e.lookup_result(100, H(12))) == (64, ((0, 64), (1, 64), (2, 64)))
     assert st.calls[0] == ([key(0, h(i)) for i in (3, 7, 11)]
                            + [key(1, h(i)) for i in (3, 7, 11)]
                            + [key(2, h(i)) for i in (1, 3, 5, 7, 9, 11)])
-    st2 = SetStore(full | {key(1, h(3)), key(1, h(11))} | {key(2, h(i)) for i in range(1, 12, 2)})
+    st2 = mk.RecordingStore(present=full | {key(1, h(3)), key(1, h(11))} | {key(2, h(i)) for i in range(1, 12, 2)})
     assert result(engine(groups, st2, hbs=8).lookup_result(96, H(12))) == (32, ((0, 32), (1, 32), (2, 32)))
 
 
 # ------------------------------------------------------------------------ E4: namespaces per group
 def test_e4_namespaces():
-    e = engine([F(16)], SetStore(), mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=2))
+    e = engine([F(16)], mk.RecordingStore(), mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=2))
     assert e.group_namespaces == (((0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1)),)
-    mla = engine([F(16)], SetStore(), mk.ParallelLayout(tp_size=4, num_kv_heads=8, use_mla=True))
+    mla = engine([F(16)], mk.RecordingStore(), mk.ParallelLayout(tp_size=4, num_kv_heads=8, use_mla=True))
     assert mla.group_namespaces == (((0, 0, 0, 0),),)
-    dcp = engine([F(32)], SetStore(), mk.ParallelLayout(tp_size=4, dcp_size=2, num_kv_heads=8, use_mla=True))
+    dcp = engine([F(32)], mk.RecordingStore(), mk.ParallelLayout(tp_size=4, dcp_size=2, num_kv_heads=8, use_mla=True))
     assert dcp.group_namespaces == (((0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 0, 0), (3, 0, 1, 0)),)
-    pcp = engine([F(16)], SetStore(), mk.ParallelLayout(tp_size=2, pcp_size=2, num_kv_heads=8))
+    pcp = engine([F(16)], mk.RecordingStore(), mk.ParallelLayout(tp_size=2, pcp_size=2, num_kv_heads=8))
     assert pcp.group_namespaces == (((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0)),)
 
 
 def test_e4_one_model_mixes_mla_and_gqa_groups():
-    st = SetStore()
+    st = mk.RecordingStore()
     e = engine([F(16, use_mla=True), F(16)], st, mk.ParallelLayout(tp_size=4, num_kv_heads=8))
     assert e.group_namespaces == (((0, 0, 0, 0),), tuple((t, 0, 0, 0) for t in range(4)))
     e.lookup(32, [b"x0", b"x1"])
@@ -173,7 +158,7 @@ def test_e4_one_model_mixes_mla_and_gqa_groups():
 # ------------------------------------------------------------------------ E5: store layouts
 def test_e5_tp_sharded_store_layout():
     ns = "@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc"
-    st = SetStore()
+    st = mk.RecordingStore()
     # vLLM TP 2 with store_tp_size 4: the store's layout, four TP shards.
     e = engine([F(16)], st, mk.ParallelLayout(tp_size=4, num_kv_heads=8), store_namespace=ns)
     e.lookup(16, [b"a0"])
@@ -188,7 +173,7 @@ def test_e5_tp_sharded_store_layout():
 def test_e6_dropped_groups_are_not_numbered_but_count_toward_alignment():
     groups = [G(F(16)), G(F(64), prefix_cacheable=False), G(S(16, 32)), G(F(16, head_size=4), prefix_cacheable=False)]
     present = {key(0, x) for x in H(12)} | {key(1, h(i)) for i in (2, 3, 6, 7, 10, 11)}
-    st = SetStore(present)
+    st = mk.RecordingStore(present=present)
     e = engine(groups, st)
     assert e.scheduler_block_size == 64
     assert result(e.lookup_result(200, H(12))) == (192, ((0, 192), (1, 192)))
@@ -197,7 +182,7 @@ def test_e6_dropped_groups_are_not_numbered_but_count_toward_alignment():
 
 
 def test_e6_a_lone_group_aligns_to_the_scheduler_block():
-    st = SetStore({key(0, x) for x in H(6)})
+    st = mk.RecordingStore(present={key(0, x) for x in H(6)})
     e = engine([G(F(16)), G(F(64), prefix_cacheable=False)], st)
     assert result(e.lookup_result(100, H(6))) == (64, ((0, 64),))
     assert st.calls[0] == [key(0, x) for x in H(4)]
@@ -207,7 +192,7 @@ def test_e6_a_lone_group_aligns_to_the_scheduler_block():
 
 # ------------------------------------------------------------------------ E8: EAGLE
 def test_e8_eagle():
-    st = SetStore({key(0, x) for x in H(5)})
+    st = mk.RecordingStore(present={key(0, x) for x in H(5)})
     e = engine([F(16)], st, use_eagle=True)
     assert result(e.lookup_result(64, H(4))) == (48, ((0, 48),))
     assert e.lookup(80, H(5)) == 64
@@ -216,7 +201,7 @@ def test_e8_eagle():
 
 def test_e8_an_eagle_flag_spreads_to_its_merged_attention_group():
     groups = [G(F(16)), G(S(16, 32)), G(F(16), is_eagle_group=True)]
-    st = SetStore({key(g, x) for g in range(3) for x in H(4)})
+    st = mk.RecordingStore(present={key(g, x) for g in range(3) for x in H(4)})
     e = engine(groups, st)
     assert result(e.lookup_result(64, H(4))) == (48, ((0, 48), (1, 48), (2, 48)))
     assert len(st.calls[0]) == 12
@@ -224,7 +209,7 @@ def test_e8_an_eagle_flag_spreads_to_its_merged_attention_group():
 
 
 def test_e8_eagle_lookup_mask():
-    e = engine(HYB, SetStore(), hbs=8, use_eagle=True)
+    e = engine(HYB, mk.RecordingStore(), hbs=8, use_eagle=True)
     assert [i for i, m in enumerate(e.coordinator.lookup_mask(96)[1]) if m] == [3, 4, 7, 8, 11]
 
 
@@ -239,25 +224,17 @@ def test_e9_sliding_window_plus_retained_tokens(swa, want):
 
 # ------------------------------------------------------------------------ E10: faults, answers, hybrid + DCP
 def test_e10_store_failure_and_answers():
-    e = engine([F(16)], SetStore(raises=ConnectionError("down")), mk.ParallelLayout(tp_size=2, num_kv_heads=2))
+    e = engine([F(16)], mk.RecordingStore(fault=ConnectionError("down")), mk.ParallelLayout(tp_size=2, num_kv_heads=2))
     assert result(e.lookup_result(64, H(4))) == (0, ())
-
-    class Answer:
-        def __init__(self, v):
-            self.v = v
-
-        def batch_is_exist(self, keys):
-            return [self.v] * len(keys)
-
-    assert engine([F(16)], Answer(True)).lookup(80, H(4)) == 64
-    assert engine([F(16)], Answer(2)).lookup(80, H(4)) == 0
-    assert engine([F(16)], Answer(-1)).lookup(80, H(4)) == 0
+    assert engine([F(16)], mk.RecordingStore(True)).lookup(80, H(4)) == 64
+    assert engine([F(16)], mk.RecordingStore(2)).lookup(80, H(4)) == 0
+    assert engine([F(16)], mk.RecordingStore(-1)).lookup(80, H(4)) == 0
 
 
 def test_e10_hybrid_with_dcp():
     lay = mk.ParallelLayout(tp_size=2, dcp_size=2, num_kv_heads=8)
     ranks = [dict(tp=0, dcp=0), dict(tp=1, dcp=1)]
-    st = SetStore({key(g, x, **r) for g in (0, 1) for x in H(6) for r in ranks})
+    st = mk.RecordingStore(present={key(g, x, **r) for g in (0, 1) for x in H(6) for r in ranks})
     e = engine([F(32), S(16, 32)], st, lay)
     assert result(e.lookup_result(100, H(6))) == (96, ((0, 96), (1, 96)))
     assert st.calls[0] == ([key(0, x, **r) for x in (h(1), h(3), h(5)) for r in ranks]

@@ -1,1 +1,1 @@
-"""asv benchmarks for mooncake_keys: see ../README.md, and common.py for the vocabulary."""
+"""asv benchmarks for mooncake_keys: see ../README.md, and mooncake_keys/bench/scenarios.py for the vocabulary."""

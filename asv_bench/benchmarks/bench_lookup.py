@@ -47,7 +47,7 @@ class LookupShapes(BenchState):
 
 
 class StandardScenarios(BenchState):
-    """The issue's scenarios: (a) Full(64), TP4 x PP2, 2,048 hashes; (b) (a) + SWA(64, 4096);
+    """The standard scenarios (docs/benchmarks.md): (a) Full(64), TP4 x PP2, 2,048 hashes; (b) (a) + SWA(64, 4096);
     (c) MLA on TP8, 8,192 hashes. Cold = a never-seen request every lookup; warm = the same
     request again (steady state)."""
 
@@ -79,7 +79,7 @@ class StandardScenarios(BenchState):
 
 class StandardColdFaults(BenchState):
     """Minor page faults per cold lookup on the standard scenarios, after the burn-in (see
-    ``common.burn_in``): non-zero when the allocator unmaps and maps arenas on every lookup, a
+    ``scenarios.burn_in``): non-zero when the allocator unmaps and maps arenas on every lookup, a
     state that can persist for the life of the process and slows cold lookups by about 1 us per
     fault. Read it beside ``StandardScenarios.time_lookup``."""
 

@@ -10,7 +10,7 @@ The stub's answer is computed in a forked child so that its key strings do not c
 import sys
 import tracemalloc
 
-from mooncake_keys.bench.scenarios import IMPLS, BenchState, _keys_of, grid_scenario, lookup_bench, make_request
+from mooncake_keys.bench.scenarios import IMPLS, BenchState, grid_scenario, keys_of, lookup_bench, make_request
 
 HASHES_1M = 131072
 R_1M = 8
@@ -55,7 +55,7 @@ class KeyStrings1M(BenchState):
         """The RSS floor of the PeakMem1M setup (hashes, stub answer, engine), without a lookup."""
 
     def track_key_string_bytes(self):
-        keys = _keys_of(self.b.scenario, make_request(self.b.scenario, 0), self.b.scenario.token_len)
+        keys = keys_of(self.b.scenario, make_request(self.b.scenario, 0), self.b.scenario.token_len)
         return sum(map(sys.getsizeof, keys))
 
     track_key_string_bytes.unit = "bytes"

@@ -16,8 +16,8 @@ import ctypes
 import sys
 import time
 
-from mooncake_keys.bench.scenarios import (DEFAULT_KEY_CACHE_BYTES, STANDARD, BenchState, Bench, StubStore, build_impl, make_request,
-                                           membership_answer, memo)
+from mooncake_keys.bench.scenarios import (DEFAULT_KEY_CACHE_BYTES, STANDARD, BenchState, Bench, build_impl, make_request,
+                                           membership_answer, memo, stub_store)
 
 _ENV = {}
 
@@ -68,7 +68,7 @@ def _env():
         atexit.register(_stop)
         store = store_cls.connect(master.master_address, global_segment_size=256 << 20)
         _ENV["store"] = store
-        probe = build_impl("py", sc, StubStore(answer), key_cache_bytes=0)
+        probe = build_impl("py", sc, stub_store(answer), key_cache_bytes=0)
         keys = probe.candidate_keys(req)
         present = [k for k, a in zip(keys, answer) if a == 1]
         buf = ctypes.create_string_buffer(4096)
@@ -110,13 +110,10 @@ class MooncakeLookup(BenchState):
         def build():
             sc, req = env["scenario"], env["request"]
             real = build_impl(impl, sc, env["store"], key_cache_bytes=DEFAULT_KEY_CACHE_BYTES)
-            stub = build_impl(impl, sc, StubStore(env["answer"]), key_cache_bytes=DEFAULT_KEY_CACHE_BYTES)
-            with real:
-                for _ in range(2):  # warm: the engine keeps a request on its second sight
-                    hit = real.lookup(req)
-            with stub:
-                for _ in range(2):
-                    stub_hit = stub.lookup(req)
+            stub = build_impl(impl, sc, stub_store(env["answer"]), key_cache_bytes=DEFAULT_KEY_CACHE_BYTES)
+            for _ in range(2):  # warm: the engine keeps a request on its second sight
+                hit = real.lookup(req)
+                stub_hit = stub.lookup(req)
             if hit != stub_hit:
                 raise RuntimeError(f"real store hit {hit} != stub hit {stub_hit}")
             return Bench(sc, real, env["store"], [req], env["answer"], extra={"stub": stub, "hit": hit})
@@ -125,7 +122,6 @@ class MooncakeLookup(BenchState):
         self._enter(("MooncakeLookup", impl, mode), build, "warm")
         if mode == "cold":
             _forget(self.b.impl)
-
 
     def time_lookup(self, impl, mode):
         if mode == "cold":
@@ -139,12 +135,11 @@ class MooncakeLookup(BenchState):
         best = {"real": float("inf"), "stub": float("inf")}
         for _ in range(15):
             for name, runner in (("stub", stub), ("real", real)):
-                with runner:
-                    if mode == "cold":
-                        _forget(runner)
-                    t0 = time.perf_counter_ns()
-                    runner.lookup(req)
-                    best[name] = min(best[name], time.perf_counter_ns() - t0)
+                if mode == "cold":
+                    _forget(runner)
+                t0 = time.perf_counter_ns()
+                runner.lookup(req)
+                best[name] = min(best[name], time.perf_counter_ns() - t0)
         return best["stub"] / best["real"]
 
     track_client_share.unit = "fraction"
@@ -201,10 +196,10 @@ class MasterHitFraction:
         return getattr(c, attr) - before
 
     def track_keys(self, scenario, stored, impl):
-        return self._count("keys")
+        return self._count("keys_asked")
 
     def track_calls(self, scenario, stored, impl):
-        return self._count("calls")
+        return self._count("num_calls")
 
     track_keys.unit = "keys"
     track_calls.unit = "calls"

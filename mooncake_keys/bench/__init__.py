@@ -1,7 +1,11 @@
-"""Benchmark scenarios and baselines, shared by ``mooncake_keys bench`` and the asv suite.
+"""What the commands run and the benchmarks measure, shared by ``mooncake_keys {demo,bench}``, the
+asv suite and the tests.
 
 ``scenarios`` (seeded data builders, only appended), ``baselines`` (vLLM's lookup before and at
-#46188, re-expressed in plain Python), ``vllm_baseline`` (vLLM 0.33's own lookup, where it is
-installed), ``sidebyside`` (every implementation timed in one run), ``on_master`` (lookups on a
-real ``mooncake_master`` by hit fraction), ``in_scheduler`` (the in-scheduler lookup against the
-ZMQ round trip)."""
+#46188, re-expressed in plain Python), ``vllm_workers`` (vLLM's real workers built on a CPU
+machine, for the tests and the benchmarks), ``vllm_baseline`` (vLLM 0.33's own lookup, where it
+is installed), ``sidebyside`` (every implementation timed in one run), ``on_master`` (lookups on
+a real ``mooncake_master`` by hit fraction), ``in_scheduler`` (the in-scheduler lookup against
+the ZMQ round trip), ``suite`` (the whole ``mooncake_keys bench`` run: the side-by-side table,
+the sweep, the scaling, the plots) and ``demo`` (the serving workload of ``mooncake_keys
+demo``)."""

@@ -1,6 +1,6 @@
-"""vLLM's Mooncake store lookup, re-expressed in plain Python from the seed's contract (vLLM
-0.25.x: key grammar, namespaces, lookup masks, coordinator; docs/architecture.md), as the
-yardsticks for mooncake_keys.
+"""vLLM's Mooncake store lookup, re-expressed in plain Python from vLLM 0.25.x's contract (key
+grammar, namespaces, lookup masks, coordinator; docs/architecture.md, "The two contracts"), as
+the yardsticks for mooncake_keys.
 
 Two states of vLLM's ``MooncakeStoreWorker.lookup``:
 
@@ -47,7 +47,7 @@ __all__ = [
     "seed_reduce",
 ]
 
-logger = logging.getLogger("asv_bench.baselines")
+logger = logging.getLogger(__name__)
 
 Meta = Tuple[int, bytes]
 

@@ -3,7 +3,7 @@
 vLLM's scheduler asks rank 0 for every lookup over a ZMQ socket; with ``"lookup_in_scheduler":
 true`` the scheduler-side :class:`~mooncake_keys.vllm.FastMooncakeStoreConnector` answers
 in-process through its own lookup-only Mooncake client. This measures both paths side by side
-on one deployment built by vLLM's own code (``mooncake_keys.vllm.harness``: rank 0's worker with
+on one deployment built by vLLM's own code (:mod:`.vllm_workers`: rank 0's worker with
 its real ZMQ lookup server, the scheduler connector built as the engine core builds it), a
 ``LocalMaster`` and a stored prefix: median ms per lookup, interleaved, and the answers must
 agree. Needs vLLM 0.33 and the Mooncake client.
@@ -35,9 +35,9 @@ def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) 
     ``zmq_ms`` (medians of ``repeat`` interleaved lookups), ``hit`` (tokens)."""
     from ..store.local_master import LocalMaster
     from ..store.mooncake import MooncakeStore
-    from ..vllm import harness as F
+    from . import vllm_workers
 
-    F.quiet(logging.CRITICAL)
+    vllm_workers.quiet(logging.CRITICAL)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalMaster(log_path=os.path.join(tmp, "master.log")) as master:
         config = os.path.join(tmp, "mooncake.json")
@@ -50,15 +50,15 @@ def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) 
         holder = MooncakeStore.connect(master.master_address, global_segment_size=256 << 20)
         worker = client = None
         try:
-            worker = F.build_worker(CFG, holder)
-            client = F.build_scheduler_connector(CFG).connector_scheduler.client
+            worker = vllm_workers.build_worker(CFG, holder)
+            client = vllm_workers.build_scheduler_connector(CFG).connector_scheduler.client
             for n in hash_counts:
                 rows.append(_measure(worker, client, holder, n, repeat))
         finally:
             if client is not None:
                 client.close()
             if worker is not None:
-                F.release(worker)
+                vllm_workers.release(worker)
             holder.close()
             if old is None:
                 os.environ.pop("MOONCAKE_CONFIG_PATH", None)

@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mooncake_keys as mk
 
-from . import scenarios as common
+from .scenarios import STANDARD, Request, Scenario, keys_of, make_request
 
-__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "CountingStore", "MasterSession", "available_impls",
+__all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "MasterSession", "available_impls",
            "run_on_master", "format_table", "check_targets", "plot", "store_keys"]
 
 #: Fractions of the prefix stored.
@@ -36,28 +36,12 @@ HIT_FRACTIONS = (0.0, 0.1, 0.5, 0.9, 1.0)
 #: The standard scenarios measured (see ``scenarios.STANDARD``).
 SCENARIOS = "abd"
 IMPLS = ("oneshot", "rounds", "vllm")
-#: Issue 10's targets: at a 0 % hit on scenario a a lookup takes at most this many ms ...
+#: The targets (docs/benchmarks.md): at a 0 % hit on scenario a a lookup takes at most this many ms ...
 MISS_MS_TARGET = 2.0
 #: ... and at a full hit rounds take at most this many times the one-shot time.
 FULL_HIT_RATIO_TARGET = 1.1
 
 Progress = Optional[Callable[[str], Any]]
-
-
-class CountingStore:
-    """Passes ``batch_is_exist`` on, counting calls and keys."""
-
-    mutates_keys = False
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.calls = 0
-        self.keys = 0
-
-    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
-        self.calls += 1
-        self.keys += len(keys)
-        return self.store.batch_is_exist(keys)
 
 
 def store_keys(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4096) -> None:
@@ -73,27 +57,27 @@ def store_keys(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4
 class _Runner:
     """One implementation on one scenario: ``lookup(request) -> hit`` through a counter."""
 
-    def __init__(self, impl: str, scenario: common.Scenario, store: Any) -> None:
+    def __init__(self, impl: str, scenario: Scenario, store: Any) -> None:
         self.impl = impl
-        self.counter = CountingStore(store)
+        #: Passes ``batch_is_exist`` on to the lookup-only client, counting calls and keys.
+        self.counter = mk.RecordingStore(store, record_keys=False)
         if impl == "vllm":
             from .vllm_baseline import VllmLookup
 
             vllm = VllmLookup(scenario, self.counter)
             self.lookup = lambda req: vllm.lookup(req.token_len, req.blob, req.hash_len)
         else:
-            engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
-                                     hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                                     store=self.counter, strategy=impl, key_cache_bytes=0)
+            engine = mk.LookupEngine.for_deployment(scenario.deployment(), store=self.counter, strategy=impl,
+                                                    key_cache_bytes=0)
             self.lookup = lambda req: engine.lookup(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len))
 
 
-def _fraction_request(sc: common.Scenario, fraction: float) -> common.Request:
+def _fraction_request(sc: Scenario, fraction: float) -> Request:
     # Request numbers 1000+ are this module's, one per fraction, none shared with another one.
-    return common.make_request(sc, 1000 + int(round(fraction * 100)))
+    return make_request(sc, 1000 + int(round(fraction * 100)))
 
 
-def _stored_tokens(sc: common.Scenario, fraction: float) -> int:
+def _stored_tokens(sc: Scenario, fraction: float) -> int:
     sbs = sc.scheduler_block_size
     return int(sc.token_len * fraction) // sbs * sbs
 
@@ -109,7 +93,7 @@ class MasterSession:
         self.looker: Any = None
         self._value: Any = None
         self._ptr = 0
-        self._stored: Dict[tuple, common.Request] = {}
+        self._stored: Dict[tuple, Request] = {}
 
     def __enter__(self) -> "MasterSession":
         from ..store.local_master import LocalMaster
@@ -142,19 +126,19 @@ class MasterSession:
             self.master.stop()
             self.master = None
 
-    def stored_request(self, sname: str, fraction: float) -> common.Request:
+    def stored_request(self, sname: str, fraction: float) -> Request:
         """The request of (scenario, fraction), its first ``fraction`` of the prefix stored
         (every group, every namespace); stored once per session."""
         key = (sname, fraction)
         if key not in self._stored:
-            sc = common.STANDARD[sname]
+            sc = STANDARD[sname]
             req = _fraction_request(sc, fraction)
-            store_keys(self.holder, common._keys_of(sc, req, _stored_tokens(sc, fraction)), self._ptr, 64)
+            store_keys(self.holder, keys_of(sc, req, _stored_tokens(sc, fraction)), self._ptr, 64)
             self._stored[key] = req
         return self._stored[key]
 
     def runner(self, impl: str, sname: str) -> "_Runner":
-        return _Runner(impl, common.STANDARD[sname], self.looker)
+        return _Runner(impl, STANDARD[sname], self.looker)
 
 
 def available_impls() -> List[str]:
@@ -179,21 +163,21 @@ def run_on_master(*, scenarios: str = SCENARIOS, fractions: Sequence[float] = HI
             runners = {impl: session.runner(impl, sname) for impl in impls}
             for fraction in fractions:
                 req = session.stored_request(sname, fraction)
-                stored = _stored_tokens(common.STANDARD[sname], fraction)
+                stored = _stored_tokens(STANDARD[sname], fraction)
                 rows += _measure(sname, fraction, stored, req, runners, repeat)
                 if progress:
                     progress(f"scenario {sname}, {fraction:.0%} stored")
     return rows
 
 
-def _measure(sname: str, fraction: float, stored: int, req: common.Request, runners: Dict[str, _Runner],
+def _measure(sname: str, fraction: float, stored: int, req: Request, runners: Dict[str, _Runner],
              repeat: int) -> List[Dict[str, Any]]:
     hits: Dict[str, int] = {}
     counts: Dict[str, tuple] = {}
     for impl, r in runners.items():  # once untimed: the answer, the keys and calls of one lookup
-        c0, k0 = r.counter.calls, r.counter.keys
+        c0, k0 = r.counter.num_calls, r.counter.keys_asked
         hits[impl] = r.lookup(req)
-        counts[impl] = (r.counter.calls - c0, r.counter.keys - k0)
+        counts[impl] = (r.counter.num_calls - c0, r.counter.keys_asked - k0)
     if len(set(hits.values())) != 1:
         raise RuntimeError(f"scenario {sname}, {fraction:.0%} stored: implementations disagree: {hits}")
     times: Dict[str, List[float]] = {impl: [] for impl in runners}
@@ -220,7 +204,7 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """Issue 10's two targets for rounds, each 'met' or 'NOT met' with the figures."""
+    """The two targets for rounds (docs/benchmarks.md), each 'met' or 'NOT met' with the figures."""
     def row(sname: str, fraction: float, impl: str) -> Optional[Dict[str, Any]]:
         return next((r for r in rows if r["scenario"] == sname and r["fraction"] == fraction
                      and r["impl"] == impl), None)

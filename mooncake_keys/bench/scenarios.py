@@ -18,7 +18,7 @@ Vocabulary (sizes in tokens unless said otherwise):
 * *warm* = the same request again, in steady state (looked up twice before timing, so that the
   key cache holds it).
 
-:class:`StubStore` answers ``batch_is_exist`` with one precomputed list, so that only client-side
+:func:`stub_store` answers ``batch_is_exist`` with one precomputed list, so that only client-side
 work is timed. The list is computed once per scenario by a real set-membership pass over the keys
 of a request (the keys of the stored prefix are put in a set, then every key is looked up). The
 answer depends only on the position of a key (group, chunk, namespace), never on the hash, so
@@ -34,23 +34,23 @@ import math
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mooncake_keys as mk
 
 from . import baselines
-from ..lookup import _core
+from ..lookup import _core, keycache
 
 __all__ = [
-    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "StubStore", "Impl",
-    "build_impl", "grid_scenario", "make_request", "count_keys",
+    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "stub_store", "Impl",
+    "build_impl", "grid_scenario", "make_request", "count_keys", "keys_of",
     "membership_answer", "memo", "Bench", "lookup_bench", "prime", "burn_in", "BenchState",
 ]
 
 IMPLS = ["c", "py", "seed", "pre", "vllm"]
 MODEL = "DeepSeek-V4"
 #: The engine's default key-cache budget: the benchmarks run the engine as users get it.
-DEFAULT_KEY_CACHE_BYTES = mk.KeyCache().max_bytes
+DEFAULT_KEY_CACHE_BYTES = keycache.DEFAULT_KEY_CACHE_BYTES
 
 #: Rank layouts by R, the number of namespaces a chunk is looked up in.
 LAYOUTS: Dict[int, dict] = {
@@ -106,8 +106,13 @@ class Scenario:
     def namespaces(self) -> int:
         return len(self.layout.lookup_namespaces())
 
+    def deployment(self, core: Optional[str] = None) -> mk.Deployment:
+        """The scenario's deployment (vLLM 0.33's contract, the default), on ``core``."""
+        return mk.Deployment(self.model_name, self.groups, self.layout, hash_block_size=self.hash_block_size,
+                             use_eagle=self.use_eagle, core=core)
 
-#: The standard scenarios of the issue; token_len = hashes * 64.
+
+#: The standard scenarios (docs/benchmarks.md); token_len = hashes * 64.
 STANDARD: Dict[str, Scenario] = {
     # (a) Full(64), TP 4 x PP 2, 8 KV heads: 8 namespaces; 2,048 hashes of 32 B.
     "a": Scenario("a", tuple(GROUPS["full"][0]()), mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8),
@@ -172,23 +177,22 @@ def count_keys(scenario: Scenario) -> int:
 
 
 # ------------------------------------------------------------------------------------ store
-def _keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
+def keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     """The keys a lookup of ``token_len`` tokens of ``request`` sends. Built by mooncake_keys
-    when it has its compiled core (fast), else by the seed baseline: the two give the very same
+    when it has its compiled core (fast), else by the ``seed`` baseline (:mod:`.baselines`): the two give the very same
     strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
     if token_len <= 0:
         return []
     if _core.ACCELERATED:
-        eng = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
-                              hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                              store=StubStore([]), key_cache_bytes=0, spare_key_bytes=0)
+        eng = mk.LookupEngine.for_deployment(scenario.deployment(), store=mk.RecordingStore(), key_cache_bytes=0,
+                                             spare_key_bytes=0)
         return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))
     return _baseline(scenario).candidate_keys(token_len, baselines.BlobBlockHashes(request.blob, request.hash_len))
 
 
 def _membership_answer(scenario: Scenario, request: Request) -> List[int]:
-    stored = set(_keys_of(scenario, request, scenario.present_token_len))
-    return [1 if k in stored else 0 for k in _keys_of(scenario, request, request.token_len)]
+    stored = set(keys_of(scenario, request, scenario.present_token_len))
+    return [1 if k in stored else 0 for k in keys_of(scenario, request, request.token_len)]
 
 
 def membership_answer(scenario: Scenario, request: Request, *, isolate: bool = False) -> List[int]:
@@ -207,21 +211,10 @@ def membership_answer(scenario: Scenario, request: Request, *, isolate: bool = F
         return pool.apply(_membership_answer, (scenario, request))
 
 
-class StubStore:
-    """``batch_is_exist`` returns ``answer`` (the same list object every time) after a length check."""
-
-    #: ``batch_is_exist`` neither changes nor keeps the key list it is given.
-    mutates_keys = False
-
-    def __init__(self, answer: List[int]) -> None:
-        self.answer = answer
-        self.calls = 0
-
-    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
-        self.calls += 1
-        if len(keys) != len(self.answer):
-            raise ValueError(f"StubStore: {len(keys)} keys asked, answer holds {len(self.answer)}")
-        return self.answer
+def stub_store(answer: List[int]) -> mk.RecordingStore:
+    """A store answering ``answer`` (the very list) to every call, counting calls and keys
+    without recording them: only client-side work is timed."""
+    return mk.RecordingStore(answer, record_keys=False)
 
 
 # ------------------------------------------------------------------------------------ impls
@@ -242,10 +235,8 @@ class Impl:
         if impl in ("c", "py"):
             # One-shot, as vLLM asks: the stub answers the whole key list (rounds are measured
             # on a real master, in .on_master).
-            self.engine = mk.LookupEngine(scenario.model_name, scenario.groups, scenario.layout,
-                                          hash_block_size=scenario.hash_block_size, use_eagle=scenario.use_eagle,
-                                          store=store, key_cache_bytes=key_cache_bytes, core=impl,
-                                          strategy="oneshot")
+            self.engine = mk.LookupEngine.for_deployment(scenario.deployment(core=impl), store=store,
+                                                         key_cache_bytes=key_cache_bytes, strategy="oneshot")
             self.baseline = None
         elif impl == "vllm":
             from .vllm_baseline import VllmLookup
@@ -341,7 +332,7 @@ def lookup_bench(impl: str, scenario: Scenario, *, isolate: bool = False, answer
     """
     first = make_request(scenario, 0)
     ans = membership_answer(scenario, first, isolate=isolate) if answer else []
-    store = StubStore(ans)
+    store = stub_store(ans)
     return Bench(scenario, build_impl(impl, scenario, store, key_cache_bytes), store, [first], ans)
 
 

@@ -3,12 +3,12 @@
     >>> from mooncake_keys.bench.sidebyside import run_standard, format_table
     >>> print(format_table(run_standard()))
 
-For every standard scenario (``common.STANDARD``) and mode (cold: requests the engine has never
+For every standard scenario (``scenarios.STANDARD``) and mode (cold: requests the engine has never
 seen, made before the timer, plan caches cleared; warm: the same request again, in steady
 state) each implementation is timed in turn, interleaved round after round, so that a noisy
 machine slows all of them alike. A sample is a batch of lookups timed with
 ``time.perf_counter_ns`` (GC off, as ``timeit`` does); the figure kept is the median over
-``repeat`` rounds. The store is ``common.StubStore``: only client-side work
+``repeat`` rounds. The store is ``scenarios.stub_store``: only client-side work
 (key building, reduction, coordinator) is timed.
 """
 
@@ -19,10 +19,10 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import scenarios as common
+from .scenarios import IMPLS, STANDARD, Impl, Request, build_impl, make_request, membership_answer, stub_store
 from ..lookup import _core
 
-__all__ = ["available", "format_table", "run_standard"]
+__all__ = ["available", "format_table", "run_standard", "sample_ns"]
 
 Progress = Optional[Callable[[str], Any]]
 
@@ -48,7 +48,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _sample_ns(runner: "common.Impl", reqs: Sequence["common.Request"], cold: bool) -> Tuple[int, int]:
+def sample_ns(runner: "Impl", reqs: Sequence["Request"], cold: bool) -> Tuple[int, int]:
     """Wall time of one batch of lookups in ns, and the minor page faults it took.
 
     For cold lookups forgetting the shapes stays outside the timer (each call is timed on its
@@ -77,8 +77,8 @@ def _sample_ns(runner: "common.Impl", reqs: Sequence["common.Request"], cold: bo
             gc.enable()
 
 
-def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[str] = tuple(common.IMPLS),
-                 scenarios: Sequence[str] = tuple(common.STANDARD), modes: Sequence[str] = ("cold", "warm"),
+def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[str] = tuple(IMPLS),
+                 scenarios: Sequence[str] = tuple(STANDARD), modes: Sequence[str] = ("cold", "warm"),
                  sample_ms: float = 20.0, max_batch: int = 50) -> List[Dict[str, Any]]:
     """Time each impl on the standard scenarios, cold and warm; one row per (scenario, mode, impl).
 
@@ -88,7 +88,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     run), ``hit`` (tokens),
     ``faults_per_lookup`` (minor page faults per lookup in the kept sample: a young process's
     allocator maps fresh memory for a while, which makes cold lookups slower; see
-    ``common.burn_in``).
+    ``scenarios.burn_in``).
     ``sample_ms`` is the target length of one timed batch (at most ``max_batch`` lookups).
     ``progress`` (if given) is called with a short text after each scenario is prepared and
     after each round. Raises RuntimeError if the implementations disagree on a hit, or if a cold
@@ -97,10 +97,10 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     impls = available(impls)
     rows: List[Dict[str, Any]] = []
     for sname in scenarios:
-        sc = common.STANDARD[sname]
-        first = common.make_request(sc, 0)
-        store = common.StubStore(common.membership_answer(sc, first))
-        runners = {impl: common.build_impl(impl, sc, store) for impl in impls}
+        sc = STANDARD[sname]
+        first = make_request(sc, 0)
+        store = stub_store(membership_answer(sc, first))
+        runners = {impl: build_impl(impl, sc, store) for impl in impls}
         keys = len(store.answer)
         hits = {}
         for impl, runner in runners.items():  # twice: the engine keeps a request on its second sight
@@ -116,18 +116,18 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
         for rnd in range(repeat):
             # Cold: never-seen requests, made before the timer; the same ones for every impl
             # (each engine sees each of them once).
-            fresh = [common.make_request(sc, issued + 1 + i) for i in range(n_cold)]
+            fresh = [make_request(sc, issued + 1 + i) for i in range(n_cold)]
             issued += n_cold
             for mode in modes:
                 for impl, runner in runners.items():
                     n = batch[(mode, impl)]
                     if mode == "cold":
                         hits_before = runner.key_cache_hits()
-                        ns, flt = _sample_ns(runner, fresh[:n], cold=True)
+                        ns, flt = sample_ns(runner, fresh[:n], cold=True)
                         if runner.key_cache_hits() != hits_before:
                             raise RuntimeError(f"scenario {sname}: a cold {impl} lookup hit the key cache")
                     else:
-                        ns, flt = _sample_ns(runner, [first] * n, cold=False)
+                        ns, flt = sample_ns(runner, [first] * n, cold=False)
                     samples[(mode, impl)].append((ns / n, flt / n))
             if progress:
                 progress(f"scenario {sname}: round {rnd + 1}/{repeat}")
@@ -135,14 +135,14 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     return rows
 
 
-def _batch_sizes(runners: Dict[str, "common.Impl"], first: "common.Request", modes: Sequence[str],
+def _batch_sizes(runners: Dict[str, "Impl"], first: "Request", modes: Sequence[str],
                  sample_ms: float, max_batch: int) -> Dict[tuple, int]:
     """Lookups per timed sample, per (mode, impl), from one warm calibration lookup each (a cold
     lookup is slower: fewer calls)."""
     batch: Dict[tuple, int] = {}
     for mode in modes:
         for impl, runner in runners.items():
-            t = _sample_ns(runner, [first], cold=False)[0]
+            t = sample_ns(runner, [first], cold=False)[0]
             batch[(mode, impl)] = max(1, min(max_batch, int(sample_ms * 1e6 / max(t, 1))))
     return batch
 

@@ -1,7 +1,7 @@
 """vLLM 0.33's own lookup as a benchmark baseline (``impl = "vllm"``).
 
 A real ``MooncakeStoreWorker`` of the installed vLLM release, built by its own code for a
-benchmark scenario (``mooncake_keys.vllm.harness``: only the GPU, rank and store parts
+benchmark scenario (:mod:`.vllm_workers`: only the GPU, rank and store parts
 replaced), answering on the scenario's stub store; hashes reach it as vLLM's lookup server
 hands them over (a ``BlobBlockHashes`` view of one buffer). Without vLLM 0.33 installed,
 :func:`unavailable` says why and the benchmarks leave this baseline out.
@@ -29,14 +29,14 @@ def unavailable() -> Optional[str]:
     if not version.startswith(RELEASE + "."):
         return f"vLLM {version} is installed, the baseline is vLLM {RELEASE}.x"
     try:
-        import mooncake_keys.vllm.harness  # noqa: F401  (imports vLLM)
+        from . import vllm_workers  # noqa: F401  (imports vLLM)
     except Exception as exc:  # noqa: BLE001 - any import failure leaves the baseline out
         return f"vLLM's Mooncake store code cannot be imported: {type(exc).__name__}: {exc}"
     return None
 
 
 def scenario_cfg(scenario: Any) -> Dict[str, Any]:
-    """The harness deployment of a benchmark scenario (see ``bench.scenarios.Scenario``)."""
+    """The :mod:`.vllm_workers` cfg of a benchmark scenario (see ``bench.scenarios.Scenario``)."""
     layout = scenario.layout
     groups = []
     for grp in scenario.groups:
@@ -65,10 +65,10 @@ class VllmLookup:
         reason = unavailable()
         if reason is not None:
             raise NotImplementedError(reason)
-        from mooncake_keys.vllm import harness
+        from . import vllm_workers
 
-        harness.quiet(logging.CRITICAL)
-        self.worker = harness.build_worker(scenario_cfg(scenario), store)
+        vllm_workers.quiet(logging.CRITICAL)
+        self.worker = vllm_workers.build_worker(scenario_cfg(scenario), store)
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
 
         self._view = BlobBlockHashes
@@ -77,19 +77,13 @@ class VllmLookup:
         return self.worker.lookup(token_len, self._view(memoryview(blob), hash_len)).hit_length
 
     def candidate_keys(self, token_len: int, blob: bytes, hash_len: int) -> list:
-        """The keys vLLM's lookup sends (its one ``batch_is_exist``), recorded on a stub."""
+        """The keys vLLM's lookup sends (its one ``batch_is_exist``), recorded on a store double."""
+        from ..store.recording import RecordingStore
+
         saved = self.worker.store
-
-        class Recorder:
-            keys: list = []
-
-            def batch_is_exist(self, keys: Any) -> list:
-                Recorder.keys = list(keys)
-                return [0] * len(keys)
-
-        self.worker.store = Recorder()
+        recorder = self.worker.store = RecordingStore()
         try:
             self.worker.lookup(token_len, self._view(memoryview(blob), hash_len))
         finally:
             self.worker.store = saved
-        return Recorder.keys
+        return recorder.calls[-1] if recorder.calls else []

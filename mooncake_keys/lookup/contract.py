@@ -3,7 +3,7 @@
 mooncake_keys gives the answers of a given vLLM release's ``MooncakeStoreWorker.lookup``, byte
 for byte and hit for hit. Two releases are supported:
 
-* ``"0.25"``: the seed's contract (vLLM 0.25.x: #46188 with the PCP/DCP namespaces of #46855).
+* ``"0.25"``: vLLM 0.25.x's contract (#46188 with the PCP/DCP namespaces of #46855).
 * ``"0.33"``: vLLM 0.33.x, the default. Its differences, each a field of :class:`Contract`:
   the lookup aligns ``num_tokens`` down instead of requiring it aligned, and re-derives a hit
   that covers all of ``num_tokens`` at one alignment step less (so the last token is

@@ -218,11 +218,14 @@ class Coordinator:
             )
         return self._lookup_mask(token_len)
 
-    def _check_presence(self, presence: Sequence[Presence], max_length: int,
-                        units: Optional[Sequence[Presence]]) -> None:
-        """TypeError/ValueError for presence that is not one bytes-like per group, or a
-        ``max_length`` (tokens) past the presence given by more than a scheduler block: the work
-        of a hit grows with ``max_length``, and chunks past the presence count as absent."""
+    def check_presence(self, presence: Sequence[Presence], max_length: int,
+                       units: Optional[Sequence[Presence]] = None) -> None:
+        """TypeError/ValueError for arguments of :meth:`longest_hit` it does not check itself:
+        presence that is not one bytes-like per group, or a ``max_length`` (tokens) past the
+        presence given by more than a scheduler block (the work of a hit grows with
+        ``max_length``, and chunks past the presence count as absent). Presence built by a
+        lookup plan (``Deployment.hit_length``) is valid by construction, and checking it would
+        cost a lookup twice its hit; presence built otherwise is checked here first."""
         int_arg("max_length", max_length, min=0, max=MAX_TOKENS)
         for name, arrays in (("presence", presence), ("units", units)):
             if arrays is None:
@@ -266,7 +269,7 @@ class Coordinator:
         fine = self.partial_hash_hits and isinstance(spec, FullAttentionSpec)
         return self.hash_block_size if fine and spec.block_size > self.hash_block_size else spec.block_size
 
-    def find_longest_cache_hit(
+    def longest_hit(
         self,
         presence: Sequence[Presence],
         max_length: int,
@@ -279,23 +282,9 @@ class Coordinator:
 
         ``units`` (partial hash hits): per group, presence per hash unit. ``peek_limit``: how
         far (tokens) an EAGLE group may look past the current hit under vLLM 0.33 (the end of
-        the hashes); default ``max_length``.
+        the hashes); default ``max_length``. The presence is not checked (see
+        :meth:`check_presence`).
         """
-        self._check_presence(presence, max_length, units)
-        return self.longest_hit(presence, max_length, units=units, peek_limit=peek_limit, apply_eagle=apply_eagle)
-
-    def longest_hit(
-        self,
-        presence: Sequence[Presence],
-        max_length: int,
-        *,
-        units: Optional[Sequence[Presence]] = None,
-        peek_limit: Optional[int] = None,
-        apply_eagle: bool = True,
-    ) -> int:
-        """What :meth:`find_longest_cache_hit` answers, without its argument checks: for presence
-        built by a lookup plan (``Deployment.hit_length``), valid by construction; the checks
-        would cost a lookup twice what this does."""
         eagle = self.eagle_attention_indices if apply_eagle else frozenset()
         attn = self.attention_groups
         views = [_and([presence[g] for g in ids]) for _, ids in attn]

@@ -17,11 +17,14 @@ whose rules apply (:mod:`.contract`), checked once. It owns:
   bounded by the hashes given whatever ``token_len`` is;
 * the **hit length** and **tail boundaries** of a lookup's answers (the coordinator).
 
-The lookup engine and the KV pool are both built on one; neither reaches into the other.
+It is the one description of a deployment: the lookup engine and the KV pool are both built
+from one (``LookupEngine.for_deployment``, ``KVPool.for_deployment``), so a pool writes the keys a
+lookup asks by construction; neither reaches into the other.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from array import array
 from bisect import bisect_left
@@ -29,7 +32,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from math import lcm
 from types import ModuleType
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._checks import MAX_TOKENS, bool_arg, int_arg, text_arg
 from . import _core
@@ -107,9 +110,36 @@ class LookupPlan:
 
 class DeploymentViews:
     """Read-only views of ``self.deployment``, for the classes built on one (the engine, the KV
-    pool): sizes in tokens."""
+    pool), each word with one meaning on both: sizes in tokens, ``groups`` every group as given,
+    ``store_groups`` the prefix-cacheable ones (what the keys number)."""
 
     deployment: "Deployment"
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.deployment.layout
+
+    @property
+    def groups(self) -> Tuple[KVCacheGroup, ...]:
+        """Every KV-cache group, as given (``use_mla`` resolved)."""
+        return self.deployment.groups
+
+    @property
+    def store_groups(self) -> Tuple[KVCacheGroup, ...]:
+        """The prefix-cacheable groups, in order: ``@group:<g>`` and tail boundaries count these
+        (vLLM 0.33 drops the others from the keys)."""
+        return self.deployment.store_groups
+
+    @property
+    def group_namespaces(self) -> Tuple[Tuple[Namespace, ...], ...]:
+        """Per store group, every namespace a chunk must exist in (PCP outer, TP, PP inner)."""
+        return self.deployment.group_namespaces
+
+    @property
+    def prefixes(self) -> Tuple[Tuple[str, ...], ...]:
+        """Per store group, the key prefix of every namespace, in namespace order (vLLM's lookup
+        key prefixes)."""
+        return self.deployment.prefixes
 
     @property
     def model_name(self) -> str:
@@ -252,15 +282,23 @@ class Deployment:
             layout.lookup_namespaces(self._mla(g)) for g in range(len(self.store_groups))
         )
         #: Per store group, the key prefix of each namespace (vLLM's lookup key prefixes).
-        self.lookup_prefixes: Tuple[Tuple[str, ...], ...] = tuple(
+        self.prefixes: Tuple[Tuple[str, ...], ...] = tuple(
             tuple(self.key_prefix(g, ns) for ns in nss) for g, nss in enumerate(self.group_namespaces)
         )
         #: The same as key heads: what the core completes with hex.
-        self.lookup_heads: Tuple[Tuple[str, ...], ...] = tuple(
-            tuple(key_head(p) for p in ps) for ps in self.lookup_prefixes
+        self.heads: Tuple[Tuple[str, ...], ...] = tuple(
+            tuple(key_head(p) for p in ps) for ps in self.prefixes
         )
         self._chunk_tables: List[Any] = [None] * len(self.store_groups)
         self.plan = lru_cache(maxsize=256)(self._plan)
+
+    @classmethod
+    def from_options(cls, model_name: str, groups: Sequence[GroupLike], layout: ParallelLayout,
+                     options: Dict[str, Any]) -> "Deployment":
+        """The deployment of a keyword constructor built on one (``LookupEngine(...)``,
+        ``KVPool(...)``): this class's keyword arguments are taken out of ``options``, the rest
+        are left for the caller."""
+        return cls(model_name, groups, layout, **{k: options.pop(k) for k in _KEYWORDS & options.keys()})
 
     # ----------------------------------------------------------------------------- checks
     def _check_contract(self) -> None:
@@ -425,3 +463,9 @@ class Deployment:
                     boundary = (u + 1) * hbs
             out.append((g, boundary))
         return tuple(out)
+
+
+#: The keyword arguments of :class:`Deployment` (see :meth:`Deployment.from_options`).
+_KEYWORDS = frozenset(
+    p.name for p in inspect.signature(Deployment.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY
+)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg
-from .contract import DEFAULT_VLLM_COMPAT
 from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
@@ -77,71 +76,68 @@ class LookupStats:
 
 
 class LookupEngine(DeploymentViews):
-    """Prefix-cache lookups for one deployment (model, KV-cache groups, rank layout).
+    """Prefix-cache lookups for one deployment (model, KV-cache groups, rank layout), asking
+    ``store``.
 
-    Sizes are in tokens: ``hash_block_size`` tokens per request hash, group block sizes per
-    chunk, ``scheduler_block_size`` (default: lcm of the group block sizes) per aligned hit.
-    ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``; one that declares
-    ``mutates_keys = False`` (it neither changes nor keeps the list) is handed a repeated
-    request's memoised key list itself, not a copy. ``vllm_compat``
-    names the vLLM release whose answers are reproduced: ``"0.33"`` (default) or ``"0.25"``
-    (see :mod:`mooncake_keys.lookup.contract`); ``store_namespace`` (the string vLLM 0.33 puts
-    after the model name for a store layout) and ``partial_hash_hits`` (keys per hash unit,
-    hits aligned to it) are vLLM 0.33's. ``strategy`` is how the store is asked: ``"rounds"``
-    (default) asks a few chunks first and stops where the answer is decided: the one-shot
-    answer, from far fewer keys on a miss (:mod:`mooncake_keys.lookup.rounds`); lookups of
-    fewer than ``rounds_min_keys`` keys, and those where rounds cannot be exact (partial hash
-    hits, some EAGLE hybrids: then :attr:`strategy` is ``"oneshot"``), ask every key in one
-    call. ``"oneshot"`` always does, as vLLM does.
-    ``key_cache_bytes`` bounds the memoised keys of repeated requests and ``spare_key_bytes``
-    the strings kept for reuse (0 turns either off; see :class:`KeyCache`). ``core`` pins the
-    core: ``"c"`` (compiled) or ``"py"`` (pure Python); None takes the active one.
+    Built from a :class:`Deployment` (:meth:`for_deployment`), or from the deployment's own
+    arguments: ``LookupEngine(model_name, groups, layout, hash_block_size=..., store=...)`` takes
+    every keyword argument of :class:`Deployment` (sizes in tokens, ``vllm_compat``,
+    ``store_namespace``, ``partial_hash_hits``, ``core``, ...) beside the engine's own, and builds
+    the deployment itself.
+
+    The engine's own: ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``; one
+    that declares ``mutates_keys = False`` (it neither changes nor keeps the list) is handed a
+    repeated request's memoised key list itself, not a copy. ``strategy`` is how the store is
+    asked: ``"rounds"`` (default) asks a few chunks first and stops where the answer is decided:
+    the one-shot answer, from far fewer keys on a miss (:mod:`mooncake_keys.lookup.rounds`);
+    lookups of fewer than ``rounds_min_keys`` keys, and those where rounds cannot be exact
+    (partial hash hits, some EAGLE hybrids: then :attr:`strategy` is ``"oneshot"``), ask every
+    key in one call. ``"oneshot"`` always does, as vLLM does. ``key_cache_bytes`` bounds the
+    memoised keys of repeated requests and ``spare_key_bytes`` the strings kept for reuse (0
+    turns either off; see :mod:`mooncake_keys.lookup.keycache`).
     """
 
-    def __init__(
+    def __init__(self, model_name: str, groups: Sequence[GroupLike], layout: ParallelLayout, *,
+                 store: Any, **options: Any) -> None:
+        self._start(Deployment.from_options(model_name, groups, layout, options), store, **options)
+
+    @classmethod
+    def for_deployment(cls, deployment: Deployment, *, store: Any, **options: Any) -> "LookupEngine":
+        """The engine of ``deployment``, asking ``store``; ``options`` are the engine's own
+        (``strategy``, ``rounds_min_keys``, ``key_cache_bytes``, ``spare_key_bytes``)."""
+        engine = cls.__new__(cls)
+        engine._start(deployment, store, **options)
+        return engine
+
+    def _start(
         self,
-        model_name: str,
-        groups: Sequence[GroupLike],
-        layout: ParallelLayout,
-        *,
-        hash_block_size: int,
-        scheduler_block_size: Optional[int] = None,
-        use_eagle: bool = False,
-        cache_prefix: str = "",
+        deployment: Deployment,
         store: Any,
-        store_namespace: str = "",
-        partial_hash_hits: bool = False,
-        vllm_compat: str = DEFAULT_VLLM_COMPAT,
-        allow_ambiguous_names: bool = False,
+        *,
         strategy: str = "rounds",
         rounds_min_keys: int = ROUNDS_MIN_KEYS,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
-        core: Optional[str] = None,
     ) -> None:
+        if not isinstance(deployment, Deployment):
+            raise TypeError(f"deployment must be a Deployment, got {type(deployment).__name__}")
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) -> list[int] method")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         #: A lookup of fewer keys than this asks one-shot even with strategy "rounds".
         self.rounds_min_keys = int_arg("rounds_min_keys", rounds_min_keys, min=0)
-        self.deployment = Deployment(
-            model_name, groups, layout, hash_block_size=hash_block_size,
-            scheduler_block_size=scheduler_block_size, use_eagle=use_eagle,
-            cache_prefix=cache_prefix, store_namespace=store_namespace,
-            partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
-            allow_ambiguous_names=allow_ambiguous_names, core=core,
-        )
+        self.deployment = deployment
         self.store = store
         #: "oneshot" (every key in one call, as vLLM) or "rounds" (only the keys the answer
         #: needs). Rounds stop early only where the hit grows with the store's answers, so
         #: partial hash hits and the EAGLE hybrids of Coordinator.hit_is_monotone ask one-shot.
-        rounds_exact = not partial_hash_hits and self.deployment.coordinator.hit_is_monotone
+        rounds_exact = not deployment.partial_hash_hits and deployment.coordinator.hit_is_monotone
         self.strategy = strategy if rounds_exact else "oneshot"
         # A store that never changes the key list may be handed the memoised one itself.
         self._share_memo = getattr(store, "mutates_keys", True) is False
-        self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=self.deployment.core.REUSES_STRINGS)
-        heads = self.deployment.lookup_heads
+        self.key_cache = KeyCache(key_cache_bytes, spare_key_bytes, reuse=deployment.core.REUSES_STRINGS)
+        heads = deployment.heads
         # The longest key head of each group (characters): key sizes are estimated from it.
         self._head_chars = tuple(max(map(len, hs)) for hs in heads)
         # The namespaces per chunk when every group has the same number (one reduction), else 0.
@@ -149,25 +145,6 @@ class LookupEngine(DeploymentViews):
         self._uniform_r = counts.pop() if len(counts) == 1 else 0
         self._stats_lock = threading.Lock()
         self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
-
-    @property
-    def layout(self) -> ParallelLayout:
-        return self.deployment.layout
-
-    @property
-    def groups(self) -> Tuple[Any, ...]:
-        """The groups as given (vLLM 0.33 drops the non-cacheable ones from the keys)."""
-        return self.deployment.groups
-
-    @property
-    def group_namespaces(self) -> Tuple[Tuple[Tuple[int, int, int, int], ...], ...]:
-        """Per store group, every namespace a chunk must exist in (PCP outer, TP, PP inner)."""
-        return self.deployment.group_namespaces
-
-    @property
-    def prefixes(self) -> Tuple[Tuple[str, ...], ...]:
-        """Per store group, the key prefix of every namespace, in namespace order."""
-        return self.deployment.lookup_prefixes
 
     # --------------------------------------------------------------------------- steps
     def _prepare(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any, name: str = "num_tokens"
@@ -214,7 +191,7 @@ class LookupEngine(DeploymentViews):
         pos = size = 0
         for g, p in enumerate(plan.groups):
             if len(p.asked):
-                heads = dep.lookup_heads[g]
+                heads = dep.heads[g]
                 pos = dep.fill_keys(keys, pos, heads, hashes, p.index)
                 size += key_bytes(len(p.asked) * len(heads), self._head_chars[g] + 2 * hl)
         if keys:
@@ -266,7 +243,7 @@ class LookupEngine(DeploymentViews):
         cannot answer answers every key so, and a code elsewhere does not end the hit there."""
         off = 0
         for g, c in enumerate(chunks):
-            r = len(self.deployment.lookup_heads[g])
+            r = len(self.deployment.heads[g])
             if first < c:
                 answers = results[off + first * r:off + (first + 1) * r]
                 codes = sorted({x for x in answers if type(x) is int and x < 0})
@@ -284,9 +261,9 @@ class LookupEngine(DeploymentViews):
         flags = bytearray()
         off = 0
         for g, c in enumerate(chunks):
-            n = c * len(dep.lookup_heads[g])
+            n = c * len(dep.heads[g])
             if n:
-                flags += dep.reduce(results[off:off + n], len(dep.lookup_heads[g]))
+                flags += dep.reduce(results[off:off + n], len(dep.heads[g]))
             off += n
         return bytes(flags)
 
@@ -354,14 +331,14 @@ class LookupEngine(DeploymentViews):
 
     def _keys_of(self, plan: LookupPlan) -> int:
         """Keys a one-shot lookup of ``plan`` sends."""
-        heads = self.deployment.lookup_heads
+        heads = self.deployment.heads
         return sum(len(p.asked) * len(heads[g]) for g, p in enumerate(plan.groups))
 
     def _lookup_in_rounds(self, num_tokens: int, hashes: BlockHashes, plan: LookupPlan
                           ) -> Optional[Tuple[int, int, List[bytearray]]]:
         """The one-shot answer, asking only until the bounds of the hit meet (see .rounds)."""
         dep = self.deployment
-        heads = dep.lookup_heads
+        heads = dep.heads
         state = Rounds(dep, plan)
         n = len(hashes)
         sent = calls = 0

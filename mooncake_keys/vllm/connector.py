@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector impor
 
 from ..lookup.engine import STRATEGIES
 from .mapping import Unsupported
-from .scheduler import SchedulerLookupClient, handshake_path, publish, scheduler_engine_config
+from .scheduler import SchedulerLookupClient, handshake_path, publish, scheduler_deployment
 from .versions import contract_for_installed
 from .worker import accelerate_worker, log_once
 
@@ -74,13 +74,13 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         try:
             if contract != "0.33":
                 raise Unsupported(f"vLLM {contract or 'of this version'}: the in-scheduler lookup needs 0.33")
-            config = scheduler_engine_config(sched, vllm_config, contract)
+            deployment = scheduler_deployment(sched, vllm_config, contract)
             store = MooncakeStore.lookup_client()
         except Exception as exc:  # noqa: BLE001 - any failure: vLLM's ZMQ path stays
             log_once(logging.WARNING, "mooncake_keys: lookups stay on the ZMQ path to rank 0: %s: %s",
                      type(exc).__name__, exc)
             return
-        engine = LookupEngine(**config, store=store, strategy=self._strategy)
+        engine = LookupEngine.for_deployment(deployment, store=store, strategy=self._strategy)
         sched.client = SchedulerLookupClient(sched.client, engine, store, handshake_path(vllm_config))
 
     def shutdown(self) -> None:

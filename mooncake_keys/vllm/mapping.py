@@ -1,29 +1,28 @@
-"""From vLLM's own objects to a :class:`~mooncake_keys.LookupEngine`, and proof that they agree.
+"""From vLLM's own objects to a :class:`~mooncake_keys.Deployment`, and proof that they agree.
 
 The mapping reads what vLLM's worker (or scheduler) already resolved: the store groups (vLLM
 0.33: prefix-cacheable ones, DCP-resolved), the coordinator's sizes and EAGLE flags, the
-parallel sizes, the key metadata (model name, cache prefix, store namespace). It then checks
-the engine it built against vLLM's state: the same attention groups, the same EAGLE groups, the
+parallel sizes, the key metadata (model name, cache prefix, store namespace). The engine built
+for that deployment is then checked against vLLM's state: the same attention groups, the same EAGLE groups, the
 same lookup key prefixes (per group, in order). Anything that does not map, or maps to something
 else, raises :class:`Unsupported` with the reason, and the caller keeps vLLM's own lookup.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
+from ..lookup.deployment import Deployment
 from ..lookup.engine import LookupEngine
 from ..lookup.layout import ParallelLayout
 from ..lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
-__all__ = ["Unsupported", "EngineConfig", "engine_config", "check_against"]
+__all__ = ["Unsupported", "deployment_of", "check_against"]
 
 
 class Unsupported(Exception):
     """The vLLM deployment cannot be reproduced by the engine; the message says why."""
 
-
-EngineConfig = Dict[str, Any]
 
 _MANAGERS = {"FullAttentionManager": FullAttentionSpec, "SlidingWindowManager": SlidingWindowSpec}
 
@@ -58,7 +57,7 @@ def _our_group(group: Any, registry: Any) -> KVCacheGroup:
     return KVCacheGroup(ours, is_eagle_group=bool(getattr(group, "is_eagle_group", False)))
 
 
-def engine_config(
+def deployment_of(
     *,
     vllm_compat: str,
     groups: Sequence[Any],
@@ -74,9 +73,9 @@ def engine_config(
     store_namespace: str = "",
     store_tp_size: Optional[int] = None,
     use_mla: bool = False,
-) -> EngineConfig:
-    """The keyword arguments of a :class:`LookupEngine` reproducing this vLLM deployment
-    (``store`` aside). ``groups`` are vLLM's store groups, ``coord`` its coordinator."""
+) -> Deployment:
+    """The :class:`Deployment` reproducing this vLLM deployment (``ValueError`` where it cannot
+    be one). ``groups`` are vLLM's store groups, ``coord`` its coordinator."""
     ours = [_our_group(g, registry) for g in groups]
     mla_everywhere = all(g.spec.use_mla for g in ours)
     if store_tp_size is not None:  # a TP-sharded store layout: keyed by the store's TP shards
@@ -87,16 +86,16 @@ def engine_config(
                                     num_kv_heads=num_kv_heads, use_mla=use_mla or mla_everywhere)
         except ValueError as exc:
             raise Unsupported(f"the parallel layout: {exc}") from None
-    cfg: EngineConfig = dict(
-        model_name=model_name, groups=ours, layout=layout,
-        hash_block_size=coord.hash_block_size, scheduler_block_size=coord.lcm_block_size,
-        use_eagle=bool(coord.use_eagle), cache_prefix=cache_prefix, vllm_compat=vllm_compat,
-        allow_ambiguous_names=True,  # reproduce vLLM's keys, whatever its names hold
-    )
+    v033: dict = {}
     if vllm_compat != "0.25":
-        cfg.update(store_namespace=store_namespace,
-                   partial_hash_hits=bool(getattr(coord, "enable_partial_hash_hits", False)))
-    return cfg
+        v033.update(store_namespace=store_namespace,
+                    partial_hash_hits=bool(getattr(coord, "enable_partial_hash_hits", False)))
+    return Deployment(
+        model_name, ours, layout, hash_block_size=coord.hash_block_size,
+        scheduler_block_size=coord.lcm_block_size, use_eagle=bool(coord.use_eagle), cache_prefix=cache_prefix,
+        vllm_compat=vllm_compat, allow_ambiguous_names=True,  # reproduce vLLM's keys, whatever its names hold
+        **v033,
+    )
 
 
 def _vllm_attention_groups(coord: Any) -> List[Tuple[Tuple[int, ...], bool]]:

@@ -18,11 +18,12 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
+from ..lookup.deployment import Deployment
 from ..lookup.engine import LookupEngine
-from .mapping import Unsupported, engine_config
+from .mapping import Unsupported, deployment_of
 from .worker import log_once
 
-__all__ = ["SchedulerLookupClient", "handshake_path", "publish", "scheduler_engine_config"]
+__all__ = ["SchedulerLookupClient", "handshake_path", "publish", "scheduler_deployment"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 
@@ -59,8 +60,8 @@ def _published(path: str) -> Optional[Any]:
     return tuple(tuple(p) for p in data.get("prefixes", ()))
 
 
-def scheduler_engine_config(sched: Any, vllm_config: Any, contract: str) -> dict:
-    """The engine arguments of rank 0's lookup, from what the scheduler-side connector holds."""
+def scheduler_deployment(sched: Any, vllm_config: Any, contract: str) -> Deployment:
+    """The deployment of rank 0's lookup, from what the scheduler-side connector holds."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     coord = getattr(sched, "_store_coord", None)
@@ -71,7 +72,7 @@ def scheduler_engine_config(sched: Any, vllm_config: Any, contract: str) -> dict
         raise Unsupported("store layouts (store_tp_size / enable_store_tp_lcm) are resolved on the workers")
     pc = vllm_config.parallel_config
     mc = vllm_config.model_config
-    return engine_config(
+    return deployment_of(
         vllm_compat=contract, groups=coord.kv_cache_groups, coord=coord, registry=KVCacheSpecRegistry,
         tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
         pcp_size=pc.prefill_context_parallel_size, dcp_size=pc.decode_context_parallel_size,

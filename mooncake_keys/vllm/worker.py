@@ -18,10 +18,11 @@ from typing import Any, Optional
 
 from ..lookup.engine import STRATEGIES, LookupEngine
 from ..lookup.hashes import BlockHashes
-from .mapping import EngineConfig, Unsupported, check_against, engine_config
+from ..lookup.deployment import Deployment
+from .mapping import Unsupported, check_against, deployment_of
 from .versions import contract_for_installed
 
-__all__ = ["accelerate_worker", "engine_config_from_worker"]
+__all__ = ["accelerate_worker", "deployment_of_worker", "block_hashes_from_vllm"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 _LOGGED: set = set()
@@ -43,12 +44,12 @@ def _store_layout_tp(worker: Any) -> Optional[int]:
     return worker.store_tp_size
 
 
-def engine_config_from_worker(worker: Any, vllm_compat: str) -> EngineConfig:
-    """The engine arguments of a built vLLM worker (see :func:`.mapping.engine_config`)."""
+def deployment_of_worker(worker: Any, vllm_compat: str) -> Deployment:
+    """The deployment of a built vLLM worker (see :func:`.mapping.deployment_of`)."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     md = worker.token_dbs[0].metadata
-    return engine_config(
+    return deployment_of(
         vllm_compat=vllm_compat, groups=worker._kv_cache_groups, coord=worker.coord,
         registry=KVCacheSpecRegistry, tp_size=worker.tp_size, pp_size=worker.pp_size,
         pcp_size=worker.pcp_size, dcp_size=worker.dcp_size, num_kv_heads=worker.num_kv_head,
@@ -81,8 +82,9 @@ class WorkerStore:
         return results
 
 
-def as_block_hashes(block_hashes: Any) -> Any:
-    """vLLM's wire view (``BlobBlockHashes``) as ours, without copying; anything else as is."""
+def block_hashes_from_vllm(block_hashes: Any) -> Any:
+    """vLLM's wire view (``BlobBlockHashes``) as a :class:`BlockHashes`, without copying;
+    anything else as is (the engine reads it with ``lookup.hashes.as_block_hashes``)."""
     blob = getattr(block_hashes, "_blob", None)
     hash_len = getattr(block_hashes, "_hash_len", None)
     if blob is None or not isinstance(hash_len, int):
@@ -110,7 +112,7 @@ class FastLookup:
             self._types = (MooncakeLookupResult, TailKeyBoundary)
 
     def __call__(self, num_tokens: int, block_hashes: Any) -> Any:
-        hashes = as_block_hashes(block_hashes)
+        hashes = block_hashes_from_vllm(block_hashes)
         if self._types is None:
             return self.engine.lookup(num_tokens, hashes)
         result_cls, boundary_cls = self._types
@@ -146,8 +148,8 @@ def accelerate_worker(worker: Any, *, strategy: str = "oneshot") -> bool:
                  "keeping vLLM's own lookup")
         return False
     try:
-        engine = LookupEngine(**engine_config_from_worker(worker, contract), store=WorkerStore(worker),
-                              strategy=strategy)
+        engine = LookupEngine.for_deployment(deployment_of_worker(worker, contract), store=WorkerStore(worker),
+                                             strategy=strategy)
         check_against(engine, worker.coord, worker._lookup_key_prefixes)
     except (Unsupported, ValueError, TypeError) as exc:
         log_once(logging.WARNING, "mooncake_keys: keeping vLLM's own Mooncake lookup for this deployment: %s", exc)

@@ -13,8 +13,6 @@ import sys
 
 import pytest
 
-sys.path.append(os.path.dirname(__file__))  # cases
-
 REQUIRED = os.environ.get("MK_REQUIRE_VLLM", "")
 
 

@@ -19,12 +19,12 @@ from collections import Counter
 
 import pytest
 
+import mooncake_keys as mk
+from mooncake_keys.bench import vllm_workers
+from support.vllm_cases import engine_for, random_cfg, random_request, random_store, same_answers, sizes
 
-from mooncake_keys.vllm import harness as F  # noqa: E402
-from cases import AnswerStore, engine_for, random_cfg, random_request, random_store, sizes  # noqa: E402
-
-F.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
-V033 = F.IS_033
+vllm_workers.quiet(logging.CRITICAL)  # vLLM logs every store fault it answers 0 for
+V033 = vllm_workers.IS_033
 CASES = int(os.environ.get("MK_VLLM_CASES", "3000"))
 SEED0 = int(os.environ.get("MK_VLLM_SEED0", "0"))  # a held-out run: another range of seeds
 BATCHES = max(1, min(30, CASES))
@@ -50,20 +50,20 @@ def ours(engine, num_tokens, hashes):
 def compare_one(seed: int, tally: Counter) -> None:
     rng = random.Random(f"contract:{seed}")
     cfg = random_cfg(rng, V033)
-    probe = AnswerStore(lambda k: 0)
+    probe = mk.RecordingStore()
     try:
-        worker = F.build_worker(cfg, probe)
-    except F.ConfigRejected:
+        worker = vllm_workers.build_worker(cfg, probe)
+    except vllm_workers.ConfigRejected:
         tally["rejected by vLLM"] += 1
         return
     try:
-        described = F.describe(worker)
+        described = vllm_workers.describe(worker)
         if "coord" in described:  # our size resolution is vLLM's
             assert (described["coord"]["lcm_block_size"], described["coord"]["hash_block_size"]) == sizes(cfg, V033), cfg
         for _ in range(REQUESTS):
             num_tokens, hashes = random_request(rng, cfg, V033)
             store = random_store(rng, hashes, cfg)
-            mine = AnswerStore(store.answer, store.fault)
+            mine = same_answers(store)
             engine = engine_for(cfg, V033, mine, described, strategy="oneshot")
             worker.store = store
             want = vllm_answer(worker, num_tokens, hashes)
@@ -82,7 +82,7 @@ def compare_one(seed: int, tally: Counter) -> None:
             assert mine.calls == store.calls, ("keys sent differ", context, described.get("lookup_key_prefixes"))
             assert got == want, ("answers differ", context, got, want)
             # Asked in rounds (at any size): the same answer from no more keys.
-            asked = AnswerStore(store.answer, store.fault)
+            asked = same_answers(store)
             in_rounds = engine_for(cfg, V033, asked, described, rounds_min_keys=0)
             assert ours(in_rounds, num_tokens, hashes) == want, ("rounds differ", context)
             assert sum(map(len, asked.calls)) <= sum(map(len, store.calls))
@@ -91,7 +91,7 @@ def compare_one(seed: int, tally: Counter) -> None:
             tally["hit"] += bool(got[0])
             tally["store calls"] += len(store.calls)
     finally:
-        F.release(worker)
+        vllm_workers.release(worker)
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))

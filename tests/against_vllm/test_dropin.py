@@ -17,13 +17,13 @@ import random
 
 import pytest
 
-from mooncake_keys.vllm import harness as F  # noqa: E402
-from cases import AnswerStore, random_cfg, random_request, random_store  # noqa: E402
+import mooncake_keys as mk
+import mooncake_keys.vllm as mv
+from mooncake_keys.bench import vllm_workers
+from mooncake_keys.vllm.worker import FastLookup
+from support.vllm_cases import random_cfg, random_request, random_store, same_answers
 
-import mooncake_keys.vllm as mv  # noqa: E402
-from mooncake_keys.vllm.worker import FastLookup  # noqa: E402
-
-F.quiet(logging.CRITICAL)
+vllm_workers.quiet(logging.CRITICAL)
 CASES = int(os.environ.get("MK_VLLM_DROPIN_CASES", "1500"))
 SEED0 = int(os.environ.get("MK_VLLM_SEED0", "0"))  # a held-out run: another range of seeds
 BATCHES = max(1, min(15, CASES))
@@ -52,16 +52,16 @@ def test_accelerated_worker_answers_as_vllm(batch):
     accelerated = 0
     for seed in range(SEED0 + batch * CASES // BATCHES, SEED0 + (batch + 1) * CASES // BATCHES):
         rng = random.Random(f"dropin:{seed}")
-        cfg = random_cfg(rng, F.IS_033)
+        cfg = random_cfg(rng, vllm_workers.IS_033)
         try:
-            worker = F.build_worker(cfg, AnswerStore(lambda k: 0))
-        except F.ConfigRejected:
+            worker = vllm_workers.build_worker(cfg, mk.RecordingStore())
+        except vllm_workers.ConfigRejected:
             continue
         try:
-            requests = [random_request(rng, cfg, F.IS_033) for _ in range(4)]
+            requests = [random_request(rng, cfg, vllm_workers.IS_033) for _ in range(4)]
             plans = [random_store(rng, hashes, cfg) for _, hashes in requests]
-            theirs = [AnswerStore(p.answer, p.fault) for p in plans]
-            ours = [AnswerStore(p.answer, p.fault) for p in plans]
+            theirs = [same_answers(p) for p in plans]
+            ours = [same_answers(p) for p in plans]
             want = answers(worker, requests, theirs)
             want_records = lookup_records(worker)
             original = worker.lookup
@@ -87,7 +87,7 @@ def test_accelerated_worker_answers_as_vllm(batch):
             worker.kv_connector_stats.reset()
             assert mv.accelerate_worker(worker, strategy="rounds"), cfg
             worker.lookup.engine.rounds_min_keys = 0
-            in_rounds = [AnswerStore(p.answer, p.fault) for p in plans]
+            in_rounds = [same_answers(p) for p in plans]
             got = answers(worker, requests, in_rounds)
             for w, g, t, o, p in zip(want, got, theirs, in_rounds, plans):
                 if p.fault == "short":
@@ -100,7 +100,7 @@ def test_accelerated_worker_answers_as_vllm(batch):
             assert [r["num_keys"] for r in lookup_records(worker)] == [len(c) for s in in_rounds for c in s.calls]
             accelerated += 1
         finally:
-            F.release(worker)
+            vllm_workers.release(worker)
     assert accelerated >= (CASES // BATCHES) // 2
 
 
@@ -112,9 +112,9 @@ def test_accelerated_worker_answers_as_vllm(batch):
 def test_what_cannot_be_expressed_keeps_vllms_lookup(group, caplog):
     cfg = {"groups": [{"type": "full", "block_size": 16}, group], "reuse_model_config": True}
     try:
-        worker = F.build_worker(cfg, AnswerStore(lambda k: 1))
-    except F.ConfigRejected as exc:
-        pytest.skip(f"vLLM {F.VLLM_VERSION} refuses it: {exc}")
+        worker = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
+    except vllm_workers.ConfigRejected as exc:
+        pytest.skip(f"vLLM {vllm_workers.VLLM_VERSION} refuses it: {exc}")
     original = worker.lookup
     with caplog.at_level(logging.INFO, logger="mooncake_keys"):
         assert mv.accelerate_worker(worker) is False
@@ -122,7 +122,7 @@ def test_what_cannot_be_expressed_keeps_vllms_lookup(group, caplog):
     assert worker.lookup == original
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("mooncake_keys")]
     assert len(lines) == 1 and "keeping vLLM's own Mooncake lookup" in lines[0], lines
-    F.release(worker)
+    vllm_workers.release(worker)
 
 
 def test_the_factory_resolves_the_connector_and_accelerates_rank_0():
@@ -130,39 +130,39 @@ def test_the_factory_resolves_the_connector_and_accelerates_rank_0():
 
     cfg = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
            "tp_size": 2, "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
-    vllm_config, _ = F.build_configs(cfg)
+    vllm_config, _ = vllm_workers.build_configs(cfg)
     assert KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config) is mv.FastMooncakeStoreConnector
-    rank0 = F.build_worker(cfg, AnswerStore(lambda k: 1))
-    assert type(rank0._harness_connector) is mv.FastMooncakeStoreConnector
+    rank0 = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
+    assert type(rank0._built_connector) is mv.FastMooncakeStoreConnector
     assert isinstance(rank0.lookup, FastLookup)
-    other = F.build_worker({**cfg, "tp_rank": 1}, AnswerStore(lambda k: 1))
+    other = vllm_workers.build_worker({**cfg, "tp_rank": 1}, mk.RecordingStore(1))
     assert not isinstance(other.lookup, FastLookup)  # only rank 0 answers lookups
     hashes = [bytes([i]) * 32 for i in range(4)]
-    full = 48 if F.IS_033 else 64  # 0.33 recomputes the last block of a full hit
-    assert F.hit_length(rank0.lookup(64, hashes)) == F.hit_length(other.lookup(64, hashes)) == full
-    F.release(rank0)
-    F.release(other)
+    full = 48 if vllm_workers.IS_033 else 64  # 0.33 recomputes the last block of a full hit
+    assert vllm_workers.hit_length(rank0.lookup(64, hashes)) == vllm_workers.hit_length(other.lookup(64, hashes)) == full
+    vllm_workers.release(rank0)
+    vllm_workers.release(other)
 
 
 def test_the_wire_view_of_hashes_is_read_without_a_copy():
     """On rank 0 the lookup server hands ``lookup`` vLLM's ``BlobBlockHashes`` over a ZMQ frame."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
 
-    from mooncake_keys.vllm.worker import as_block_hashes
+    from mooncake_keys.vllm.worker import block_hashes_from_vllm
 
     blob = bytearray(b"".join(bytes([i]) * 16 for i in range(5)) + b"xyz")  # trailing bytes ignored
-    view = as_block_hashes(BlobBlockHashes(memoryview(blob), 16))
+    view = block_hashes_from_vllm(BlobBlockHashes(memoryview(blob), 16))
     assert len(view) == 5 and view.hash_len == 16 and view.blob.obj is blob
-    assert len(as_block_hashes(BlobBlockHashes(memoryview(blob), 0))) == 0
+    assert len(block_hashes_from_vllm(BlobBlockHashes(memoryview(blob), 0))) == 0
 
 
 def test_the_lookup_strategy_comes_from_the_connector_config():
     base = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
             "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
-    default = F.build_worker(base, AnswerStore(lambda k: 1))
-    rounds = F.build_worker({**base, "extra_config": {"lookup_strategy": "rounds"}}, AnswerStore(lambda k: 1))
+    default = vllm_workers.build_worker(base, mk.RecordingStore(1))
+    rounds = vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "rounds"}}, mk.RecordingStore(1))
     assert default.lookup.engine.strategy == "oneshot" and rounds.lookup.engine.strategy == "rounds"
-    F.release(default)
-    F.release(rounds)
+    vllm_workers.release(default)
+    vllm_workers.release(rounds)
     with pytest.raises(ValueError, match="lookup_strategy.*must be one of"):
-        F.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, AnswerStore(lambda k: 1))
+        vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, mk.RecordingStore(1))

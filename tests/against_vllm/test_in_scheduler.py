@@ -10,15 +10,15 @@ import random
 
 import pytest
 
-from mooncake_keys.vllm import harness as F  # noqa: E402
 pytest.importorskip("mooncake.store")
 
 import mooncake_keys.vllm as mv  # noqa: E402
+from mooncake_keys.bench import vllm_workers  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore  # noqa: E402
 from mooncake_keys.vllm.scheduler import SchedulerLookupClient  # noqa: E402
 
-F.quiet(logging.CRITICAL)
+vllm_workers.quiet(logging.CRITICAL)
 
 CFG = {
     "kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
@@ -42,11 +42,11 @@ def deployment(master, tmp_path, monkeypatch):
                                   "local_buffer_size": 16 << 20}))
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
     holder = MooncakeStore.connect(master.master_address)
-    worker = F.build_worker(CFG, holder)
+    worker = vllm_workers.build_worker(CFG, holder)
     try:
         yield holder, worker
     finally:
-        F.release(worker)
+        vllm_workers.release(worker)
         holder.remove_all(force=True)
         holder.close()
 
@@ -54,7 +54,7 @@ def deployment(master, tmp_path, monkeypatch):
 def test_scheduler_answers_as_rank_0_does(deployment):
     holder, worker = deployment
     assert isinstance(worker.lookup, mv.worker.FastLookup)  # rank 0, accelerated
-    connector = F.build_scheduler_connector(CFG)
+    connector = vllm_workers.build_scheduler_connector(CFG)
     sched = connector.connector_scheduler
     try:
         assert isinstance(sched.client, SchedulerLookupClient) and sched.client.verified
@@ -81,7 +81,7 @@ def test_scheduler_answers_as_rank_0_does(deployment):
 def test_without_a_store_config_the_zmq_path_stays(deployment, monkeypatch, caplog):
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH")
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
-        connector = F.build_scheduler_connector(CFG)
+        connector = vllm_workers.build_scheduler_connector(CFG)
     client = connector.connector_scheduler.client
     try:
         assert not isinstance(client, SchedulerLookupClient)
@@ -96,7 +96,7 @@ def test_without_a_store_config_the_zmq_path_stays(deployment, monkeypatch, capl
 def test_keys_that_differ_from_rank_0s_keep_the_zmq_path(deployment, tmp_path):
     """The scheduler answers only once rank 0's published prefixes confirm its own."""
     _, worker = deployment
-    connector = F.build_scheduler_connector(CFG)
+    connector = vllm_workers.build_scheduler_connector(CFG)
     client = connector.connector_scheduler.client
     try:
         path = client.path

@@ -37,7 +37,7 @@ def main() -> None:
     store = MooncakeStore.connect(master, global_segment_size=32 << 20)
     kv = torch.zeros(2 * MAX_CHUNKS, BLOCK, dtype=torch.uint8)  # blocks 0..15 save, 16..31 load
     pool = mk.KVPool("mp-model", GROUPS, LAYOUT, rank=rank, kv_caches=kv, hash_block_size=16, store=store)
-    print(json.dumps({"ready": list(pool.namespace)}), flush=True)
+    print(json.dumps({"ready": list(pool.writer_namespace)}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -50,7 +50,7 @@ def main() -> None:
         elif op == "evict":
             rng = random.Random(cmd["seed"])
             chunks = [j for j in range(len(hashes)) if rng.random() < cmd["fraction"]]
-            keys = [mk.PoolKey.build_key_string(pool.prefixes[0], hashes[j].hex()) for j in chunks]
+            keys = [mk.PoolKey.build_key_string(pool.writer_prefixes[0], hashes[j].hex()) for j in chunks]
             removed = [store.remove(k, force=True) for k in keys]
             reply = {"evicted": chunks, "codes": removed}
         elif op == "load":

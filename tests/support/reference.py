@@ -1,5 +1,6 @@
-"""A plain, slow reference of vLLM's lookup (spec sections 5-7), written straight from the
-contract with (group, hash) sets and block lists. It shares no code with the package."""
+"""A plain, slow reference of vLLM 0.25's lookup (namespaces, lookup masks, the coordinator;
+docs/architecture.md), written straight from the contract with (group, hash) sets and block
+lists. It shares no code with the package."""
 
 from __future__ import annotations
 

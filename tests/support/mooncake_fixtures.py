@@ -2,7 +2,7 @@
 
 Import them into ``tests/conftest.py``::
 
-    from mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401
+    from support.mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401
 
 Each fixture skips its test when the ``mooncake`` package cannot be imported.
 """

@@ -1,4 +1,5 @@
-"""Every vLLM test and worked example of the spec (sections 12-14) that concerns the lookup.
+"""vLLM 0.25's lookup on its own tests and worked examples (``vllm_compat="0.25"``): the worker's
+lookup tests, the order of the keys, and scenarios of hybrid, multi-group and EAGLE deployments.
 
 vLLM's tests use hashes of unequal length (``h0`` .. ``h11``); mooncake_keys rejects those
 (``ValueError``), so the same scenarios use ``h00`` .. ``h11`` here: the hit lengths are the same.
@@ -22,7 +23,7 @@ def engine(groups, store, layout=None, hash_bs=None, **kw):
                            store=store, **kw, vllm_compat="0.25")
 
 
-# --------------------------------------------------------------------- section 12: worker tests
+# --------------------------------------------------------------------- the worker's lookup tests
 def test_lookup_partial_prefix_returns_first_hit_length(impl, recording_store):
     st = recording_store([1, 1, 0])
     assert engine([F(16)], st).lookup(48, [b"a0", b"a1", b"a2"]) == 32
@@ -140,7 +141,7 @@ def test_hma_e2e_swa_pre_window_keys_may_be_missing(impl):
     assert e.lookup(64, hs) == 64
 
 
-# --------------------------------------------------------------------- section 13: order
+# --------------------------------------------------------------------- the order of the keys
 def test_candidate_order_tp2_pp2(impl, recording_store):
     e = engine([F(16)], recording_store([]), mk.ParallelLayout(tp_size=2, pp_size=2, num_kv_heads=2))
     hs = [b"c0", b"c1", b"c2"]
@@ -162,7 +163,7 @@ def test_hybrid_candidate_order(impl, recording_store):
     assert [k.rsplit("@", 1)[1] for k in keys[3:]] == [h.hex() for h in H]
 
 
-# --------------------------------------------------------------------- section 14: scenarios
+# --------------------------------------------------------------------- scenarios
 def _swa_answer(full_ok, swa_chunks):
     """Full group (3 keys first) all present; SWA keys present for the given chunk ids."""
     def answer(keys):

@@ -1,7 +1,14 @@
-"""Build vLLM's real ``MooncakeStoreWorker`` on a machine without a GPU, for the tests and the
-benchmarks that compare mooncake_keys with vLLM's own lookup (it calls vLLM, copies none of it).
+"""vLLM's real workers built on a CPU machine, for the tests and the benchmarks.
 
-Importing this module imports vLLM and torch, and sets a few environment defaults (below).
+It builds vLLM's real ``MooncakeStoreWorker`` (and the scheduler-role connector) on a machine
+without a GPU, so that tests/against_vllm/ and the ``vllm`` baseline of :mod:`.vllm_baseline`
+and :mod:`.in_scheduler` compare mooncake_keys with vLLM's own lookup (it calls vLLM, copies
+none of it). It lives with the benchmarks, not in ``mooncake_keys.vllm``: vLLM imports that
+package through ``kv_connector_module_path``, and it holds only what runs in production.
+
+Importing this module imports vLLM and torch, nothing more. The first build prepares the
+process once (:func:`_prepare_process`: a few environment defaults, below, and a private temp
+dir).
 
 The worker is constructed by vLLM's own code path (``KVConnectorFactory`` ->
 ``MooncakeStoreConnector.__init__`` -> ``MooncakeStoreWorker.__init__``, or the
@@ -22,7 +29,7 @@ PATCHES (all reverted when ``build_worker`` returns):
    ``_PlaceholderMooncakeClient`` (its ``setup(...)`` returns 0 and records its
    arguments).  Why: the real client connects to a Mooncake master.  After the
    constructor returns, ``worker.store`` is set to the caller's ``store`` object,
-   so every ``batch_is_exist`` of ``worker.lookup`` goes to the caller's stub.
+   so every ``batch_is_exist`` of ``worker.lookup`` goes to the caller's store.
    ``ReplicateConfig`` stays the real one when the ``mooncake`` package is
    importable; if it is not, a minimal stand-in module is put in ``sys.modules``.
 3. ``LookupKeyServer`` in vLLM's ``store/worker.py`` module is replaced by
@@ -36,12 +43,12 @@ NOT patched: the platform.  ``VllmConfig`` gets ``DeviceConfig(device="cpu")``
 it detects on this machine and no platform hook rewrites the configs (vLLM's
 ``CpuPlatform`` would, e.g. MLA -> block_size 16).
 
-Environment (``os.environ.setdefault`` only, so a caller can override):
+Environment (set by the first build, ``os.environ.setdefault`` only, so a caller can override):
 ``VLLM_HOST_IP=127.0.0.1`` (``get_ip()`` returns it instead of probing the
 network), ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1``, ``VLLM_CACHE_ROOT``
 (one per vLLM version, see below), ``VLLM_RPC_BASE_PATH`` (a private temp dir).
 ``MOONCAKE_CONFIG_PATH`` points, while a worker is built, to a JSON file the
-harness writes (vLLM parses it; the placeholder client never connects).
+first build writes (vLLM parses it; the placeholder client never connects).
 
 Models: a small HF ``config.json`` (no weights) is written under a private temp
 dir whose last path component is the model name asked for, so
@@ -51,7 +58,7 @@ dir whose last path component is the model name asked for, so
 uses a real ``SpeculativeConfig`` (``method="eagle"`` with a generated
 ``EagleLlamaForCausalLM`` draft dir, or ``"mtp"`` for MLA models).
 
-Engine-core steps the harness redoes with vLLM's own functions, because a real
+Engine-core steps redone here with vLLM's own functions, because a real
 worker gets them from the engine core: ``cache_config.block_size`` is set to the
 block size the worker sees (default: the smallest prefix-cacheable group block
 size, as ``EngineCore`` sets it); for 0.33 ``KVCacheConfig.hash_block_size`` /
@@ -73,7 +80,7 @@ only when present: None -> "None"), ``kv_role``, ``extra_config`` (any
 ``kv_connector_extra_config`` entries), ``kv_connector_module_path``;
 0.33: ``kv_cache_layout``, ``prefix_cache_retention_interval``,
 ``cache_hit_alignment_tokens`` ("auto" = resolved like the engine core);
-harness: ``num_blocks``, ``via`` ("connector" | "worker"), ``validate``,
+this module's own: ``num_blocks``, ``via`` ("connector" | "worker"), ``validate``,
 ``lookup_server``, ``reuse_model_config``.
 
 Works with vLLM 0.25.x and 0.33.x (``vllm.__version__`` decides).
@@ -95,30 +102,12 @@ import sys
 import tempfile
 import threading
 import types
-from collections.abc import Callable, Iterable
-from importlib import metadata as _metadata
 from typing import Any
 
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-# vLLM caches model-class inspection under VLLM_CACHE_ROOT/modelinfos, one file
-# per class whatever the vLLM version: two versions sharing ~/.cache/vllm keep
-# invalidating each other (~8 s per architecture per process).  One root per version:
-os.environ.setdefault(
-    "VLLM_CACHE_ROOT",
-    os.path.expanduser(f"~/.cache/mooncake_keys/vllm-cache-{_metadata.version('vllm')}"),
-)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-_WORKDIR = tempfile.mkdtemp(prefix="vllm_worker_factory_")
-atexit.register(shutil.rmtree, _WORKDIR, ignore_errors=True)
-os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_WORKDIR, "rpc"))
-os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
-
-import torch  # noqa: E402
-import vllm  # noqa: E402
-import vllm.distributed.parallel_state as _ps  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+import vllm
+import vllm.distributed.parallel_state as _ps
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -127,25 +116,25 @@ from vllm.config import (  # noqa: E402
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     connector as _connector_mod,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     worker as _worker_mod,
 )
-from vllm.v1 import kv_cache_interface as _kvi  # noqa: E402
-from vllm.v1.core import kv_cache_utils as _kvu  # noqa: E402
+from vllm.v1 import kv_cache_interface as _kvi
+from vllm.v1.core import kv_cache_utils as _kvu
 
 VLLM_VERSION: str = vllm.__version__
 VERSION_TUPLE: tuple[int, int] = tuple(int(x) for x in VLLM_VERSION.split(".")[:2])  # type: ignore[assignment]
 IS_033 = VERSION_TUPLE >= (0, 33)
 if VERSION_TUPLE not in ((0, 25), (0, 33)):
     logging.getLogger(__name__).warning(
-        "vllm_worker_factory was written against vLLM 0.25 and 0.33; found %s",
+        "mooncake_keys.bench.vllm_workers supports vLLM 0.25 and 0.33; found %s",
         VLLM_VERSION,
     )
 
@@ -153,6 +142,39 @@ MooncakeStoreWorker = _worker_mod.MooncakeStoreWorker
 MooncakeStoreConnector = _connector_mod.MooncakeStoreConnector
 
 _build_lock = threading.Lock()
+_prepare_lock = threading.Lock()
+_workdir: str | None = None
+
+
+def _prepare_process() -> str:
+    """Once per process, before the first build (idempotent): the environment defaults vLLM
+    reads while it builds (see the module docstring; ``setdefault`` only) and a private temp
+    dir for the model configs, the Mooncake JSON and the RPC sockets, removed at exit.
+    Returns that dir."""
+    global _workdir
+    with _prepare_lock:
+        if _workdir is None:
+            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+            # vLLM caches model-class inspection under VLLM_CACHE_ROOT/modelinfos, one file per
+            # class whatever the vLLM version: two versions sharing ~/.cache/vllm keep
+            # invalidating each other (~8 s per architecture per process). One root per version:
+            os.environ.setdefault(
+                "VLLM_CACHE_ROOT", os.path.expanduser(f"~/.cache/mooncake_keys/vllm-cache-{VLLM_VERSION}")
+            )
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            # huggingface_hub read HF_HUB_OFFLINE when vLLM imported it; vLLM reads the result
+            # from huggingface_hub.constants at each call, so that is where the default must go.
+            import huggingface_hub.constants as hf_constants
+
+            if os.environ["HF_HUB_OFFLINE"].upper() in ("1", "ON", "YES", "TRUE"):
+                hf_constants.HF_HUB_OFFLINE = True
+            workdir = tempfile.mkdtemp(prefix="mooncake_keys_vllm_workers_")
+            atexit.register(shutil.rmtree, workdir, ignore_errors=True)
+            os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(workdir, "rpc"))
+            os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
+            _workdir = workdir
+        return _workdir
 
 
 class ConfigRejected(ValueError):
@@ -203,36 +225,6 @@ class _NoLookupServer:
         self.store_worker = store_worker
 
     def close(self) -> None:
-        pass
-
-
-class RecordingStore:
-    """A stub store: ``batch_is_exist`` records every key list it is asked.
-
-    ``present`` decides the answers: ``None`` -> every key exists; a set/
-    frozenset of key strings -> 1 for members; a callable ``key -> int``.
-    """
-
-    def __init__(self, present: None | Iterable[str] | Callable[[str], int] = None):
-        if present is None or callable(present):
-            self._answer = present
-        else:
-            keys = frozenset(present)
-            self._answer = lambda k: 1 if k in keys else 0
-        self.calls: list[list[str]] = []
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        keys = list(keys)
-        self.calls.append(keys)
-        if self._answer is None:
-            return [1] * len(keys)
-        return [int(self._answer(k)) for k in keys]
-
-    @property
-    def last_keys(self) -> list[str]:
-        return self.calls[-1] if self.calls else []
-
-    def close(self) -> None:  # called by vLLM's worker.close()
         pass
 
 
@@ -382,7 +374,7 @@ def _model_dir(model: str, hf: dict, kind: str = "target") -> str:
         raise ValueError(f"model name {model!r} cannot be laid out as a directory")
     blob = json.dumps(hf, sort_keys=True)
     digest = hashlib.sha1((kind + blob).encode()).hexdigest()[:12]
-    path = os.path.join(_WORKDIR, "models", digest, *parts)
+    path = os.path.join(_prepare_process(), "models", digest, *parts)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         os.makedirs(path, exist_ok=True)
@@ -573,6 +565,7 @@ def _prefix_cacheable(spec: Any) -> bool:
 def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
     """Return ``(vllm_config, kv_cache_config)`` as a rank's worker would see
     them.  Raises ``ConfigRejected`` when vLLM's config validation refuses."""
+    _prepare_process()
     c = _normalize(cfg)
     ranks = rank_layout(c)
     groups = _kv_cache_groups(c)
@@ -694,7 +687,7 @@ _MOONCAKE_JSON = {
 
 @contextlib.contextmanager
 def _worker_environment(c: dict, ranks: dict[str, int]):
-    cfg_path = os.path.join(_WORKDIR, "mooncake.json")
+    cfg_path = os.path.join(_prepare_process(), "mooncake.json")
     if not os.path.exists(cfg_path):
         with open(cfg_path, "w") as f:
             json.dump(_MOONCAKE_JSON, f)
@@ -737,7 +730,7 @@ def build_worker(cfg: dict, store: Any) -> Any:
     ``KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER,
     kv_cache_config)`` exactly as ``ensure_kv_transfer_initialized`` does, and
     returns ``connector.connector_worker`` (the connector is kept alive as
-    ``worker._harness_connector``: its ``__del__`` closes the worker).
+    ``worker._built_connector``: its ``__del__`` closes the worker).
     ``"worker"`` calls ``MooncakeStoreWorker(vllm_config, kv_cache_config)``
     directly, after ``MooncakeStoreConnector._validate_kv_cache_config`` unless
     ``cfg["validate"]`` is false.
@@ -756,7 +749,7 @@ def build_worker(cfg: dict, store: Any) -> Any:
             except Exception as e:
                 raise ConfigRejected("MooncakeStoreConnector(WORKER)", e) from e
             worker = connector.connector_worker
-            worker._harness_connector = connector
+            worker._built_connector = connector
         elif c["via"] == "worker":
             if c["validate"]:
                 try:
@@ -769,11 +762,11 @@ def build_worker(cfg: dict, store: Any) -> Any:
                 raise ConfigRejected("MooncakeStoreWorker", e) from e
         else:
             raise ValueError(f"cfg['via'] must be 'connector' or 'worker', not {c['via']!r}")
-    worker._harness_placeholder_client = worker.store
+    worker._placeholder_client = worker.store
     worker.store = store
-    worker._harness_cfg = c
-    worker._harness_vllm_config = vllm_config
-    worker._harness_kv_cache_config = kv_cache_config
+    worker._built_cfg = c
+    worker._built_vllm_config = vllm_config
+    worker._built_kv_cache_config = kv_cache_config
     return worker
 
 
@@ -822,7 +815,7 @@ def rank0_worker_from_scheduler(connector: Any, store: Any) -> Any:
     with _worker_environment(c, ranks):
         worker = MooncakeStoreWorker(vllm_config, kv_cache_config)
     worker.store = store
-    worker._harness_vllm_config = vllm_config
+    worker._built_vllm_config = vllm_config
     return worker
 
 
@@ -858,12 +851,12 @@ def release(worker: Any) -> None:
         import zmq
 
         server.running = False
-        path = _worker_mod.get_zmq_rpc_path_lookup(worker._harness_vllm_config)
+        path = _worker_mod.get_zmq_rpc_path_lookup(worker._built_vllm_config)
         sock = zmq.Context.instance().socket(zmq.REQ)
         try:
             sock.setsockopt(zmq.RCVTIMEO, 5000)
             sock.connect(path)
-            sock.send(b"harness-stop")
+            sock.send(b"mooncake_keys-stop")
             sock.recv()
         except zmq.ZMQError:
             pass

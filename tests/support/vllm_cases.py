@@ -1,6 +1,6 @@
 """Random deployments, stores and requests for the comparisons with vLLM's own lookup.
 
-``random_cfg`` draws a deployment as a plain dict that ``mooncake_keys.vllm.harness.build_worker`` turns into
+``random_cfg`` draws a deployment as a plain dict that ``mooncake_keys.bench.vllm_workers.build_worker`` turns into
 vLLM's real worker; ``engine_for`` turns the same dict into a mooncake_keys ``LookupEngine``,
 following the mapping documented in docs/architecture.md ("From a vLLM config"). The mapping
 reads the dict, never the vLLM worker, except for a store layout: its namespace string and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import mooncake_keys as mk
 
@@ -130,7 +130,7 @@ def sizes(cfg: Dict[str, Any], v033: bool) -> Tuple[int, int]:
     return sbs, hbs
 
 
-def engine_for(cfg: Dict[str, Any], v033: bool, store: "AnswerStore", described: Dict[str, Any],
+def engine_for(cfg: Dict[str, Any], v033: bool, store: Any, described: Dict[str, Any],
                **kw: Any) -> mk.LookupEngine:
     """A LookupEngine for the deployment ``cfg`` (see the module docstring)."""
     sbs, hbs = sizes(cfg, v033)
@@ -154,30 +154,13 @@ def engine_for(cfg: Dict[str, Any], v033: bool, store: "AnswerStore", described:
     )
 
 
-class AnswerStore:
-    """``batch_is_exist`` from a function of the key; records each call. Used by vLLM's worker
-    and by our engine alike, so both see the very same answers."""
-
-    def __init__(self, answer: Callable[[str], Any], fault: Optional[str] = None):
-        self.answer = answer
-        self.fault = fault
-        self.calls: List[List[str]] = []
-
-    def batch_is_exist(self, keys):
-        keys = list(keys)
-        self.calls.append(keys)
-        if self.fault == "raise":
-            raise ConnectionError("master unreachable")
-        out = [self.answer(k) for k in keys]
-        if self.fault == "short":
-            out = out[:-1]
-        return out
-
-    def close(self) -> None:  # vLLM's worker.close() calls it
-        pass
+def same_answers(store: mk.RecordingStore) -> mk.RecordingStore:
+    """A store answering (and failing) as ``store`` does, with no call recorded yet: vLLM's
+    worker and our engine each ask their own, and see the very same answers."""
+    return mk.RecordingStore(present=store.present, fault=store.fault)
 
 
-def random_store(rng: random.Random, hashes: List[bytes], cfg: Dict[str, Any]) -> AnswerStore:
+def random_store(rng: random.Random, hashes: List[bytes], cfg: Dict[str, Any]) -> mk.RecordingStore:
     """A store holding a random prefix of the request in every group and namespace, with
     random holes, odd codes, or a fault."""
     index = {h.hex(): i for i, h in enumerate(hashes)}
@@ -198,8 +181,8 @@ def random_store(rng: random.Random, hashes: List[bytes], cfg: Dict[str, Any]) -
             return one
         return 0
 
-    fault = rng.choices([None, "raise", "short"], [0.94, 0.03, 0.03])[0]
-    return AnswerStore(answer, fault)
+    fault = rng.choices([None, ConnectionError("master unreachable"), "short"], [0.94, 0.03, 0.03])[0]
+    return mk.RecordingStore(present=answer, fault=fault)
 
 
 def random_request(rng: random.Random, cfg: Dict[str, Any], v033: bool) -> Tuple[int, List[bytes]]:
