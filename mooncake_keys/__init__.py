@@ -17,7 +17,7 @@ from .lookup.engine import LookupEngine, LookupResult, LookupStats, TailKeyBound
 from .lookup.hashes import BlockHashes
 from .lookup.keys import KeyMetadata, PoolKey, model_name_from_path
 from .lookup.layout import ParallelLayout
-from .lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from .lookup.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from .store.memory import MemoryStore
 from .store.recording import RecordingStore
 
@@ -56,10 +56,11 @@ __version__ = "0.2.0"
 __all__ = [
     "ACCELERATED",
     "BlockHashes",
+    "ChunkedLocalAttentionSpec",
     "Deployment",
     "FullAttentionSpec",
-    "KVCacheGroup",
     "KeyMetadata",
+    "KVCacheGroup",
     "KVPool",
     "KVPoolError",
     "KVPoolStoreError",
@@ -69,11 +70,14 @@ __all__ = [
     "LookupEngine",
     "LookupResult",
     "LookupStats",
+    "MambaSpec",
     "MemoryStore",
+    "model_name_from_path",
     "MooncakeStore",
     "MooncakeStoreConfig",
     "MooncakeStoreError",
     "MooncakeStoreUnavailable",
+    "open_store",
     "OpenStore",
     "ParallelLayout",
     "PoolKey",
@@ -81,7 +85,5 @@ __all__ = [
     "SaveResult",
     "SlidingWindowSpec",
     "TailKeyBoundary",
-    "model_name_from_path",
-    "open_store",
     "__version__",
 ]

@@ -36,14 +36,21 @@ def layouts(draw):
 def group_mixes(draw, single):
     hash_bs = draw(st.sampled_from([4, 8, 16]))
     n = 1 if single else draw(st.integers(1, 3))
+    kinds = [draw(st.sampled_from(["full", "full", "swa", "mamba", "chunked"])) for _ in range(n)]
+    same_bs = "chunked" in kinds  # vLLM looks chunked local attention up on its block size only
+    shared = hash_bs * draw(st.sampled_from([1, 2, 4]))
     specs = []
-    for _ in range(n):
-        bs = hash_bs * draw(st.sampled_from([1, 2, 4]))
-        if draw(st.booleans()):
+    for k in kinds:
+        bs = shared if same_bs else hash_bs * draw(st.sampled_from([1, 2, 4]))
+        if k == "full":
             specs.append(mk.FullAttentionSpec(bs))
-        else:
+        elif k == "swa":
             specs.append(mk.SlidingWindowSpec(bs, draw(st.integers(1, 4 * bs))))
-    flags = [draw(st.booleans()) for _ in specs]
+        elif k == "mamba":
+            specs.append(mk.MambaSpec(bs))
+        else:
+            specs.append(mk.ChunkedLocalAttentionSpec(bs, bs * draw(st.integers(1, 6))))
+    flags = [draw(st.booleans()) and not same_bs for _ in specs]  # and never EAGLE with it
     return hash_bs, specs, flags
 
 
@@ -52,7 +59,7 @@ def cases(draw):
     lay = draw(layouts())
     single = lay["pcp"] > 1 or lay["dcp"] > 1
     hash_bs, specs, flags = draw(group_mixes(single))
-    use_eagle = draw(st.booleans())
+    use_eagle = draw(st.booleans()) and not any(isinstance(s, mk.ChunkedLocalAttentionSpec) for s in specs)
     hash_len = draw(st.sampled_from([8, 16, 32]))
     from math import lcm
     sched = lcm(*(s.block_size for s in specs))

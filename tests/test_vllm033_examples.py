@@ -44,8 +44,9 @@ def result(r):
 
 def test_0_33_is_the_default_and_other_values_are_refused():
     assert engine([F(16)], mk.RecordingStore()).vllm_compat == "0.33"
-    with pytest.raises(ValueError, match=r"vllm_compat must be one of \['0.25', '0.33'\]"):
-        engine([F(16)], mk.RecordingStore(), vllm_compat="0.30")
+    for other in ("0.24", "0.34", "0.3", 0.33, None):
+        with pytest.raises(ValueError, match=r"vllm_compat must be one of \['0.25', '0.26', .*'0.33'\]"):
+            engine([F(16)], mk.RecordingStore(), vllm_compat=other)
 
 
 # ------------------------------------------------------------------------ E1: one Full(16)
@@ -150,9 +151,11 @@ def test_e4_one_model_mixes_mla_and_gqa_groups():
     e.lookup(32, [b"x0", b"x1"])
     assert st.calls[0] == ([key(0, b"x0"), key(0, b"x1")]
                            + [key(1, x, tp=t) for x in (b"x0", b"x1") for t in range(4)])
-    with pytest.raises(ValueError, match="use_mla"):
-        engine([F(16, use_mla=True), F(16)], st, mk.ParallelLayout(tp_size=4, num_kv_heads=8),
-               vllm_compat="0.25")
+    # Before per-group namespaces (vLLM 0.25, 0.26) the layout decides for every group.
+    old = engine([F(16, use_mla=True), F(16)], st, mk.ParallelLayout(tp_size=4, num_kv_heads=8),
+                 vllm_compat="0.25")
+    assert old.group_namespaces == (tuple((t, 0, 0, 0) for t in range(4)),) * 2
+    assert len(old.coordinator.attention_groups) == 2  # an MLA spec is still another spec
 
 
 # ------------------------------------------------------------------------ E5: store layouts
@@ -165,7 +168,7 @@ def test_e5_tp_sharded_store_layout():
     assert st.calls[0] == [key(0, b"a0", tp=t, ns=ns) for t in range(4)]
     assert st.calls[0][2] == ("test-model@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc"
                               "@tp_rank:2@pcp0@dcp0@pp_rank:0@group:0@6130")
-    with pytest.raises(ValueError, match="store_namespace needs vllm_compat='0.33'"):
+    with pytest.raises(ValueError, match=r"vLLM 0.25 has no store_namespace \(vllm_compat='0.25'\)"):
         engine([F(16)], st, store_namespace=ns, vllm_compat="0.25")
 
 
@@ -186,7 +189,7 @@ def test_e6_a_lone_group_aligns_to_the_scheduler_block():
     e = engine([G(F(16)), G(F(64), prefix_cacheable=False)], st)
     assert result(e.lookup_result(100, H(6))) == (64, ((0, 64),))
     assert st.calls[0] == [key(0, x) for x in H(4)]
-    with pytest.raises(ValueError, match="prefix_cacheable=False groups need vllm_compat='0.33'"):
+    with pytest.raises(ValueError, match=r"vLLM 0.25 has no prefix_cacheable=False groups"):
         engine([G(F(16)), G(F(64), prefix_cacheable=False)], st, vllm_compat="0.25")
 
 

@@ -1,19 +1,14 @@
 """Which vLLM release's lookup an engine reproduces: every rule that differs between them, here.
 
 mooncake_keys gives the answers of a given vLLM release's ``MooncakeStoreWorker.lookup``, byte
-for byte and hit for hit. Two releases are supported:
+for byte and hit for hit, for every release from 0.25 to 0.33 (``vllm_compat``: ``"0.25"`` ..
+``"0.33"``; ``"0.33"`` is the default). The releases differ in a few rules, each a field of
+:class:`Contract`; :data:`CONTRACTS` is the one table of them (docs/vllm.md explains each rule
+and shows where each release's code has it). Nothing else in the engine tests a release number.
 
-* ``"0.25"``: vLLM 0.25.x's contract (#46188 with the PCP/DCP namespaces of #46855).
-* ``"0.33"``: vLLM 0.33.x, the default. Its differences, each a field of :class:`Contract`:
-  the lookup aligns ``num_tokens`` down instead of requiring it aligned, and re-derives a hit
-  that covers all of ``num_tokens`` at one alignment step less (so the last token is
-  recomputed); namespaces are per group (an MLA group needs one TP namespace, a GQA group
-  ``tp // (tp // heads)``); groups that are not prefix-cacheable are dropped before numbering
-  but still count toward the scheduler block size; a single attention group aligns to the
-  scheduler block size, not its own; hybrids with DCP are allowed; EAGLE flags spread to every
-  group of a merged attention group; a computed full-attention hit caps later passes of the
-  hybrid loop (``min``) instead of being re-floored; the EAGLE look-ahead is capped by the
-  hashes, not by the lookup length; keys may carry a ``store_namespace``; partial hash hits.
+Several releases share rules: 0.27 and 0.28 have the same lookup, as do 0.30 and 0.31; 0.26
+differs from 0.25 only in a rule that cannot change an answer (the hybrid loop's cap), kept
+faithful to its code anyway.
 """
 
 from __future__ import annotations
@@ -49,24 +44,53 @@ class Contract:
     hybrid_dcp: bool
     #: Groups may be marked not prefix-cacheable (dropped before numbering).
     dropped_groups: bool
-    #: ``store_namespace`` and ``partial_hash_hits`` are known.
+    #: Keys may carry a ``store_namespace`` (store layouts).
     store_namespaces: bool
+    #: Hits may land on the hash unit inside a block (keys per hash unit; in vLLM, turned on by
+    #: a Mamba group whose block is larger than the hash unit).
     partial_hash_hits: bool
+    #: A sliding-window group covers ``sliding_window + extra_retained_tokens`` (else the window
+    #: alone). Applied where vLLM's specs become ours (the vLLM mapping).
+    window_adds_extra_retained: bool
+    #: An EAGLE pass widens a Mamba group's bound by its block size like any other group's
+    #: (else a Mamba group gets no look-ahead: its finder never drops a block).
+    mamba_eagle_margin: bool
+    #: vLLM raises on every lookup of a deployment with partial hash hits and a sliding-window
+    #: group whose block is not the hash unit: such a deployment is refused.
+    swa_rejects_partial_hits: bool
 
+
+_R025 = dict(
+    aligns_lookup_length=False, rederives_full_hit=False, tail_key_boundaries=False,
+    per_group_namespaces=False, single_group_scheduler_alignment=False, full_hit_caps_later_passes=False,
+    eagle_peek_to_hashes=False, merged_eagle_masks=False, hybrid_dcp=False, dropped_groups=False,
+    store_namespaces=False, partial_hash_hits=False, window_adds_extra_retained=False,
+    mamba_eagle_margin=True, swa_rejects_partial_hits=False,
+)
+#: 0.26: the hybrid loop caps later passes by a computed full-attention hit (inert: same answers).
+_R026 = dict(_R025, full_hit_caps_later_passes=True)
+#: 0.27 (= 0.28): lookups align and re-derive a full hit, per-group namespaces (MLA, GQA, one per
+#: rank for Mamba), merged EAGLE flags, partial hash hits from a Mamba group; answers an int.
+_R027 = dict(
+    _R026, aligns_lookup_length=True, rederives_full_hit=True, per_group_namespaces=True,
+    single_group_scheduler_alignment=True, merged_eagle_masks=True, partial_hash_hits=True,
+    mamba_eagle_margin=False, swa_rejects_partial_hits=True,
+)
+#: 0.29: the result object with tail key boundaries, hybrid + DCP, groups dropped from transfer.
+_R029 = dict(_R027, tail_key_boundaries=True, hybrid_dcp=True, dropped_groups=True)
+#: 0.30 (= 0.31): store namespaces and layouts; a sliding-window group takes partial hash hits.
+_R030 = dict(_R029, store_namespaces=True, swa_rejects_partial_hits=False)
+#: 0.32: the EAGLE look-ahead may reach the end of the hashes.
+_R032 = dict(_R030, eagle_peek_to_hashes=True)
+#: 0.33: the sliding window covers the extra retained tokens too.
+_R033 = dict(_R032, window_adds_extra_retained=True)
 
 CONTRACTS: Dict[str, Contract] = {
-    "0.25": Contract(
-        "0.25", aligns_lookup_length=False, rederives_full_hit=False, tail_key_boundaries=False, per_group_namespaces=False,
-        single_group_scheduler_alignment=False, full_hit_caps_later_passes=False,
-        eagle_peek_to_hashes=False, merged_eagle_masks=False, hybrid_dcp=False,
-        dropped_groups=False, store_namespaces=False, partial_hash_hits=False,
-    ),
-    "0.33": Contract(
-        "0.33", aligns_lookup_length=True, rederives_full_hit=True, tail_key_boundaries=True, per_group_namespaces=True,
-        single_group_scheduler_alignment=True, full_hit_caps_later_passes=True,
-        eagle_peek_to_hashes=True, merged_eagle_masks=True, hybrid_dcp=True,
-        dropped_groups=True, store_namespaces=True, partial_hash_hits=True,
-    ),
+    name: Contract(name, **rules)
+    for name, rules in (
+        ("0.25", _R025), ("0.26", _R026), ("0.27", _R027), ("0.28", _R027), ("0.29", _R029),
+        ("0.30", _R030), ("0.31", _R030), ("0.32", _R032), ("0.33", _R033),
+    )
 }
 
 #: The contract a :class:`~mooncake_keys.LookupEngine` follows unless told otherwise.

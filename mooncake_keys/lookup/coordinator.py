@@ -20,7 +20,14 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from .._checks import MAX_TOKENS, bool_arg, int_arg
 from .contract import Contract
-from .specs import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
+from .specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 Presence = Union[bytes, bytearray]  # one byte per chunk: 1 present, 0 absent
 
@@ -47,7 +54,7 @@ def full_attention_hit(p: Presence, max_length: int, bs: int, alignment: int, dr
     down."""
     n = max_length // bs
     z = p.find(0, 0, n)
-    run = n if z < 0 else z
+    run = min(n, len(p)) if z < 0 else z  # past the array: absent
     hit = run * bs
     if units is not None and alignment < bs and bs % alignment == 0:
         per = bs // alignment
@@ -71,7 +78,7 @@ def sliding_window_hit(p: Presence, max_length: int, bs: int, alignment: int, ne
     n = max_length // bs
     off = 0 if drop_eagle else 1
     per = _step(bs, alignment)
-    i = n - 1
+    i = min(n, len(p)) - 1  # past the array: absent
     length = 0
     found = False
     while i >= 0:
@@ -97,6 +104,41 @@ def sliding_window_hit(p: Presence, max_length: int, bs: int, alignment: int, ne
         length -= 1
         length -= length % per
     return length * bs
+
+
+def chunked_local_hit(p: Presence, max_length: int, bs: int, chunk: int) -> int:
+    """Tokens of a chunked-local-attention hit: the chunks before the attention chunk that holds
+    token ``max_length`` count as present unread, then the present run from there (at most
+    ``max_length // bs`` chunks). The caller guarantees the alignment is ``bs`` and no EAGLE drop
+    (vLLM asserts both)."""
+    n = max_length // bs
+    start = (max_length // chunk * chunk) // bs if max_length > 0 else 0
+    if start >= n:
+        return n * bs
+    z = p.find(0, start, n)
+    if z < 0:
+        z = min(n, max(start, len(p)))  # past the array: absent
+    return z * bs
+
+
+def mamba_hit(p: Presence, max_length: int, bs: int, alignment: int, units: Optional[Presence] = None) -> int:
+    """Tokens of a Mamba (recurrent state) hit: the last present state at or below
+    ``max_length`` whose end is ``alignment``-aligned (present states in between are skipped,
+    absent ones do not stop the scan); with ``units`` and an alignment finer than the block, the
+    last present hash unit. Never an EAGLE drop: a state is exact."""
+    if units is not None and alignment < bs and bs % alignment == 0:
+        u = units.rfind(1, 0, max_length // alignment)
+        return (u + 1) * alignment if u >= 0 else 0
+    step = _step(bs, alignment)  # chunk i ends aligned iff (i + 1) % step == 0
+    top = max_length // bs  # chunks [0, top) may end the hit
+    while top > 0:
+        i = p.rfind(1, 0, top)
+        if i < 0:
+            return 0
+        if (i + 1) % step == 0:
+            return (i + 1) * bs
+        top = (i + 1) // step * step  # the aligned chunk ends below i: chunks [0, top)
+    return 0
 
 
 def _and(arrays: Sequence[Presence]) -> Presence:
@@ -177,6 +219,25 @@ class Coordinator:
         self._lookup_mask = lru_cache(maxsize=64)(self._compute_lookup_mask)
         #: Whether more chunks present never shorten the hit (see :meth:`_hit_is_monotone`).
         self.hit_is_monotone = self._hit_is_monotone()
+        self._check_chunked_local()
+
+    def _check_chunked_local(self) -> None:
+        """ValueError for a chunked-local-attention group vLLM cannot look up: every lookup of it
+        would raise there (its finder asserts no EAGLE drop and a hit alignment of its block)."""
+        attn = self.attention_groups
+        for a, (spec, ids) in enumerate(attn):
+            if not isinstance(spec, ChunkedLocalAttentionSpec):
+                continue
+            if a in self.eagle_attention_indices:
+                raise ValueError(f"a chunked local attention group (groups {list(ids)}) cannot be an EAGLE group")
+            single = len(attn) == 1 and not self.contract.single_group_scheduler_alignment
+            alignment = spec.block_size if single else self.alignment
+            if alignment != spec.block_size:
+                raise ValueError(
+                    f"a chunked local attention group (groups {list(ids)}, block_size {spec.block_size}) "
+                    f"needs hits aligned to its block size, not {alignment} tokens (the scheduler block "
+                    "size, or the hash block size with partial hash hits)"
+                )
 
     def _hit_is_monotone(self) -> bool:
         """Whether, for every lookup, a chunk turning from absent to present never shortens
@@ -258,14 +319,21 @@ class Coordinator:
     # ----------------------------------------------------------------------------- hits
     def _manager_hit(self, spec: KVCacheSpec, p: Presence, units: Optional[Presence], max_length: int,
                      alignment: int, drop: bool) -> int:
-        bs = spec.block_size
-        if len(p) < max_length // bs:  # chunks past the presence array are absent
-            p = bytes(p) + bytes(max_length // bs - len(p))
+        """The hit of one attention group: vLLM's manager for its kind, on presence bytes."""
+        bs = spec.block_size  # every hit function reads chunks past the array as absent
         if isinstance(spec, SlidingWindowSpec):
             return sliding_window_hit(p, max_length, bs, alignment, spec.blocks_needed(drop), drop)
+        if isinstance(spec, MambaSpec):
+            return mamba_hit(p, max_length, bs, alignment, units)
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return chunked_local_hit(p, max_length, bs, spec.attention_chunk_size)
         return full_attention_hit(p, max_length, bs, alignment, drop, units)
 
-    def _eagle_margin(self, spec: KVCacheSpec) -> int:
+    def _eagle_margin(self, spec: KVCacheSpec) -> Optional[int]:
+        """How far (tokens) an EAGLE pass may look past the current hit; None: not at all (a
+        Mamba group, whose finder never drops a block, where the contract says so)."""
+        if isinstance(spec, MambaSpec) and not self.contract.mamba_eagle_margin:
+            return None
         fine = self.partial_hash_hits and isinstance(spec, FullAttentionSpec)
         return self.hash_block_size if fine and spec.block_size > self.hash_block_size else spec.block_size
 
@@ -307,7 +375,8 @@ class Coordinator:
                     cur = min(cur, hit_of[idx]) if caps else cur // spec.block_size * spec.block_size
                     continue
                 drop = idx in eagle and idx not in verified
-                maxlen = min(cur + self._eagle_margin(spec), peek) if drop else cur
+                margin = self._eagle_margin(spec) if drop else None
+                maxlen = cur if margin is None else min(cur + margin, peek)
                 new = self._manager_hit(spec, views[idx], unit_views[idx], maxlen, self.alignment, drop)
                 if drop:
                     verified.add(idx)

@@ -41,11 +41,11 @@ from .coordinator import Coordinator, Presence
 from .hashes import BlockHashes
 from .keys import KeyMetadata, PoolKey, key_head
 from .layout import Namespace, ParallelLayout
-from .specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from .specs import SPEC_KINDS, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = ["Deployment", "DeploymentViews", "GroupPlan", "LookupPlan", "GroupLike"]
 
-GroupLike = Union[KVCacheGroup, FullAttentionSpec, SlidingWindowSpec]
+GroupLike = Union[KVCacheGroup, KVCacheSpec]
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,17 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class LookupPlan:
-    """The chunks of one lookup, per store group, and ``span``: the tokens the coordinator sees.
+    """The chunks of one lookup, per store group: ``token_len`` tokens (aligned) looked up, of
+    which ``span`` have presence arrays.
 
     ``span`` is ``token_len`` bounded by the hashes given (plus one scheduler block): chunks
-    past the hashes are absent, so no hit can reach beyond them and the answer is the same.
+    past the hashes are absent (the coordinator reads past an array's end as absent), so the
+    work of a lookup follows the hashes, never a ``token_len`` the caller made up.
     """
 
     span: int
     groups: Tuple[GroupPlan, ...]
+    token_len: int
 
     @property
     def chunks_asked(self) -> int:
@@ -206,7 +209,7 @@ def _check_unambiguous(model_name: str, cache_prefix: str, store_namespace: str)
 
 
 def _normalise_groups(groups: Any, layout: ParallelLayout) -> Tuple[KVCacheGroup, ...]:
-    if isinstance(groups, (KVCacheGroup, FullAttentionSpec, SlidingWindowSpec)):
+    if isinstance(groups, (KVCacheGroup,) + SPEC_KINDS):
         groups = [groups]
     try:
         items = list(groups)
@@ -279,7 +282,7 @@ class Deployment:
         )
         #: Per store group, the namespaces a chunk must exist in (PCP outer, TP, PP inner).
         self.group_namespaces: Tuple[Tuple[Namespace, ...], ...] = tuple(
-            layout.lookup_namespaces(self._mla(g)) for g in range(len(self.store_groups))
+            layout.lookup_namespaces(**self._namespace_rule(g)) for g in range(len(self.store_groups))
         )
         #: Per store group, the key prefix of each namespace (vLLM's lookup key prefixes).
         self.prefixes: Tuple[Tuple[str, ...], ...] = tuple(
@@ -302,24 +305,29 @@ class Deployment:
 
     # ----------------------------------------------------------------------------- checks
     def _check_contract(self) -> None:
+        """ValueError for what the contract's vLLM release does not have, or cannot look up."""
         c, layout = self.contract, self.layout
+        release = f"vLLM {c.name}"
         if not c.dropped_groups and not all(g.prefix_cacheable for g in self.groups):
-            raise ValueError(f"prefix_cacheable=False groups need vllm_compat='0.33' (got {c.name!r})")
+            raise ValueError(f"{release} has no prefix_cacheable=False groups (vllm_compat={c.name!r})")
         if not c.store_namespaces and self.store_namespace:
-            raise ValueError(f"store_namespace needs vllm_compat='0.33' (got {c.name!r})")
+            raise ValueError(f"{release} has no store_namespace (vllm_compat={c.name!r})")
         if not c.partial_hash_hits and self.partial_hash_hits:
-            raise ValueError(f"partial_hash_hits needs vllm_compat='0.33' (got {c.name!r})")
-        if not c.per_group_namespaces and any(g.spec.use_mla != layout.use_mla for g in self.groups):
-            raise ValueError(
-                f"a spec's use_mla must match the layout's under vllm_compat={c.name!r} "
-                "(per-group MLA needs vllm_compat='0.33')"
-            )
-        stored = sum(g.prefix_cacheable for g in self.groups)
+            raise ValueError(f"{release} has no partial hash hits (vllm_compat={c.name!r})")
+        stored = [g for g in self.groups if g.prefix_cacheable]
         if not stored:
             raise ValueError("groups must hold at least one prefix-cacheable KV-cache group")
-        if stored > 1 and (layout.pcp_size > 1 or (layout.dcp_size > 1 and not c.hybrid_dcp)):
+        if len(stored) > 1 and (layout.pcp_size > 1 or (layout.dcp_size > 1 and not c.hybrid_dcp)):
             what = "PCP > 1" if c.hybrid_dcp else "PCP/DCP > 1"
-            raise ValueError(f"{what} supports a single KV-cache group only (as in vLLM {c.name})")
+            raise ValueError(f"{what} supports a single KV-cache group only (as in {release})")
+        if self.partial_hash_hits and c.swa_rejects_partial_hits:
+            for g in stored:
+                if isinstance(g.spec, SlidingWindowSpec) and g.spec.block_size != self.hash_block_size:
+                    raise ValueError(
+                        f"{release} cannot look up partial hash hits with a sliding-window group whose "
+                        f"block_size ({g.spec.block_size}) is not the hash_block_size "
+                        f"({self.hash_block_size}): every lookup raises there"
+                    )
 
     def _check_sizes(self) -> None:
         hbs, sbs = self.hash_block_size, self.scheduler_block_size
@@ -335,9 +343,14 @@ class Deployment:
                     f"({grp.spec.block_size})"
                 )
 
-    def _mla(self, group: int) -> Optional[bool]:
-        """Whether store group ``group`` counts as MLA for its namespaces (None: the layout's)."""
-        return self.store_groups[group].spec.use_mla if self.contract.per_group_namespaces else None
+    def _namespace_rule(self, group: int) -> Dict[str, Any]:
+        """How store group ``group``'s namespaces are counted (``ParallelLayout`` keywords): by
+        its own spec (MLA or not; a Mamba group one per rank) where the contract has per-group
+        namespaces, else by the layout alone."""
+        if not self.contract.per_group_namespaces:
+            return {}
+        spec = self.store_groups[group].spec
+        return {"mla": spec.use_mla, "per_rank": isinstance(spec, MambaSpec)}
 
     # ----------------------------------------------------------------------------- keys
     def key_prefix(self, group: int, namespace: Namespace) -> str:
@@ -354,8 +367,8 @@ class Deployment:
     def writer(self, group: int, rank: Namespace) -> Tuple[Namespace, int]:
         """Where the rank at ``rank`` = (tp, pcp, dcp, pp) saves store group ``group``: its
         namespace, and the put step (ranks sharing the namespace stripe their puts)."""
-        mla = self._mla(group)
-        return self.layout.writer_namespace(*rank, mla=mla), self.layout.replication_factor(mla)
+        rule = self._namespace_rule(group)
+        return self.layout.writer_namespace(*rank, **rule), self.layout.replication_factor(**rule)
 
     def fill_keys(self, out: List[Any], pos: int, heads: Tuple[str, ...], hashes: BlockHashes,
                   index: array) -> int:
@@ -421,7 +434,7 @@ class Deployment:
                 continue
             lo, hi = bisect_left(positions, skip), bisect_left(positions, have)
             plans.append(GroupPlan(num_chunks, positions[lo:hi], index[lo:hi], positions[:lo]))
-        return LookupPlan(span, tuple(plans))
+        return LookupPlan(span, tuple(plans), token_len)
 
     # ----------------------------------------------------------------------------- hits
     def hit_length(self, presence: Sequence[Presence], max_length: int, num_hashes: int, *,

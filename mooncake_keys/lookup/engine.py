@@ -371,7 +371,7 @@ class LookupEngine(DeploymentViews):
 
     def _hit(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> int:
         dep = self.deployment
-        hit = dep.hit_length(presence, plan.span, num_hashes)
+        hit = dep.hit_length(presence, plan.token_len, num_hashes)
         if dep.contract.rederives_full_hit and hit >= num_tokens:
             # vLLM 0.33: the last token must be computed, so a hit of every token is found again
             # one alignment step shorter, from the same answers (vllm#55113).

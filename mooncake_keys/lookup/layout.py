@@ -54,15 +54,16 @@ class ParallelLayout:
         """KV heads that differ across TP ranks: 1 under MLA."""
         return 1 if self.use_mla else self.num_kv_heads
 
-    def replication_factor(self, mla: Optional[bool] = None) -> int:
+    def replication_factor(self, mla: Optional[bool] = None, *, per_rank: bool = False) -> int:
         """TP ranks that hold byte-identical KV of a group, and so share one namespace.
 
-        1 under DCP > 1 (vLLM #45371: each rank its own ``@dcpN`` namespace); ``tp_size`` for an
-        MLA group; else ``max(1, tp_size // num_kv_heads)`` (replicated GQA heads). ``mla``
-        defaults to the layout's ``use_mla``.
+        1 under DCP > 1 (vLLM #45371: each rank its own ``@dcpN`` namespace) and for a group whose
+        state is each rank's own (``per_rank``: Mamba); ``tp_size`` for an MLA group; else
+        ``max(1, tp_size // num_kv_heads)`` (replicated GQA heads). ``mla`` defaults to the
+        layout's ``use_mla``.
         """
         mla = self.use_mla if mla is None else mla
-        if self.dcp_size > 1:
+        if self.dcp_size > 1 or per_rank:
             return 1
         if mla:
             return self.tp_size
@@ -73,20 +74,20 @@ class ParallelLayout:
         """The layout's :meth:`replication_factor`: ranks sharing a namespace stripe their puts."""
         return self.replication_factor()
 
-    def lookup_namespaces(self, mla: Optional[bool] = None) -> Tuple[Namespace, ...]:
+    def lookup_namespaces(self, mla: Optional[bool] = None, *, per_rank: bool = False) -> Tuple[Namespace, ...]:
         """Every namespace some rank loads a group from, PCP outer, then TP, then PP inner.
 
         Under DCP > 1 every TP rank is its own namespace with ``dcp = tp % dcp_size`` (vLLM
-        #46855); otherwise ``tp_size // replication_factor(mla)`` TP namespaces.
+        #46855); otherwise ``tp_size // replication_factor(mla, per_rank=per_rank)`` TP namespaces.
         """
         pcps, pps = range(self.pcp_size), range(self.pp_size)
         if self.dcp_size > 1:
             return tuple((tp, pcp, tp % self.dcp_size, pp) for pcp in pcps for tp in range(self.tp_size) for pp in pps)
-        tps = range(self.tp_size // self.replication_factor(mla))
+        tps = range(self.tp_size // self.replication_factor(mla, per_rank=per_rank))
         return tuple((tp, pcp, 0, pp) for pcp in pcps for tp in tps for pp in pps)
 
     def writer_namespace(self, tp_rank: int, pcp_rank: int = 0, dcp_rank: int = 0, pp_rank: int = 0,
-                         *, mla: Optional[bool] = None) -> Namespace:
+                         *, mla: Optional[bool] = None, per_rank: bool = False) -> Namespace:
         """The namespace the rank at these coordinates saves a group to and loads it from."""
         for name, value, size in (
             ("tp_rank", tp_rank, self.tp_size),
@@ -97,7 +98,7 @@ class ParallelLayout:
             int_arg(name, value)
             if not 0 <= value < size:
                 raise ValueError(f"{name} must be in [0, {size}), got {value}")
-        return (tp_rank // self.replication_factor(mla), pcp_rank, dcp_rank, pp_rank)
+        return (tp_rank // self.replication_factor(mla, per_rank=per_rank), pcp_rank, dcp_rank, pp_rank)
 
     def check_rank(self, rank: object) -> Namespace:
         """``rank`` as a (tp, pcp, dcp, pp) tuple of a rank of this layout; else TypeError/ValueError."""

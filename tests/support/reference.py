@@ -1,16 +1,21 @@
 """A plain, slow reference of vLLM 0.25's lookup (namespaces, lookup masks, the coordinator;
 docs/architecture.md), written straight from the contract with (group, hash) sets and block
-lists. It shares no code with the package."""
+lists, for full attention, sliding windows, Mamba states and chunked local attention. It shares
+no code with the package."""
 
 from __future__ import annotations
 
 from math import ceil, lcm
 
-FULL, SWA = "full", "swa"
+FULL, SWA, MAMBA, CHUNKED = "full", "swa", "mamba", "chunked"
 
 
 def kind(spec):
-    return SWA if hasattr(spec, "sliding_window") else FULL
+    if hasattr(spec, "sliding_window"):
+        return SWA
+    if hasattr(spec, "attention_chunk_size"):
+        return CHUNKED
+    return MAMBA if type(spec).__name__ == "MambaSpec" else FULL
 
 
 def ref_namespaces(tp, pp, pcp, dcp, heads, mla):
@@ -67,7 +72,7 @@ class RefCoordinator:
         assert token_len % self.lcm == 0
         masks = []
         for g, s in enumerate(self.specs):
-            if kind(s) == FULL:
+            if kind(s) != SWA:  # every chunk of the others may end a hit (or is read by one)
                 masks.append(None)
                 continue
             eagle = g in self.eagle_ids
@@ -125,9 +130,36 @@ class RefCoordinator:
                 blocks.pop()
         return blocks
 
+    def mamba_manager(self, view, max_length, gids, exists, bs, alignment, drop):
+        # The last present state whose end is aligned; the EAGLE drop does not apply to a state.
+        for i in range(max_length // bs - 1, -1, -1):
+            h = view[i] if i < len(view) else None
+            if h is not None and all((g, bytes(h)) in exists for g in gids):
+                if bs != alignment and (i + 1) * bs % alignment != 0:
+                    continue
+                return [False] * i + [True]
+        return []
+
+    def chunked_manager(self, view, max_length, gids, exists, bs, alignment, drop, spec):
+        assert not drop and bs == alignment
+        n = max_length // bs
+        start = (max_length // spec.attention_chunk_size * spec.attention_chunk_size) // bs if max_length > 0 else 0
+        blocks = [False] * start  # before the window: not read, counted computed
+        for i in range(start, n):
+            h = view[i] if i < len(view) else None
+            if h is None or not all((g, bytes(h)) in exists for g in gids):
+                break
+            blocks.append(True)
+        return blocks
+
     def manager(self, spec, *args):
-        if kind(spec) == FULL:
+        k = kind(spec)
+        if k == FULL:
             return self.full_manager(*args)
+        if k == MAMBA:
+            return self.mamba_manager(*args)
+        if k == CHUNKED:
+            return self.chunked_manager(*args, spec)
         return self.swa_manager(*args, spec)
 
     def find_longest_cache_hit(self, hashes, max_length, exists):
