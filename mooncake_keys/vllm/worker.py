@@ -29,11 +29,11 @@ _LOGGED: set = set()
 
 
 def log_once(level: int, message: str, *args: Any) -> None:
-    """Log ``message`` the first time it is seen in this process."""
+    """Log ``message`` the first time it is seen in this process (the line shown is the caller's)."""
     text = message % args if args else message
     if text not in _LOGGED:
         _LOGGED.add(text)
-        logger.log(level, text)
+        logger.log(level, text, stacklevel=2)
 
 
 def _store_layout_tp(worker: Any) -> Optional[int]:
@@ -103,7 +103,7 @@ class FastLookup:
         #: vLLM's own lookup, kept for reference and comparison.
         self.original = original
         self._types = None
-        if engine.vllm_compat != "0.25":
+        if engine.deployment.contract.tail_key_boundaries:  # the release answers a result object
             from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
                 MooncakeLookupResult,
                 TailKeyBoundary,
@@ -123,14 +123,14 @@ class FastLookup:
 def accelerate_worker(worker: Any, *, strategy: str = "oneshot") -> bool:
     """Answer ``worker.lookup`` with mooncake_keys; True when it does.
 
-    ``worker`` is vLLM's rank-0 ``MooncakeStoreWorker`` (0.33.x, or 0.25.x). The new lookup
-    gives vLLM's own results (``MooncakeLookupResult`` with ``TailKeyBoundary`` objects on 0.33)
-    with identical values, asks ``worker.store`` and records vLLM's ``lookup_exists`` metric
+    ``worker`` is vLLM's rank-0 ``MooncakeStoreWorker`` (any release 0.25-0.33). The new lookup
+    gives vLLM's own results (an ``int`` before 0.29, a ``MooncakeLookupResult`` with
+    ``TailKeyBoundary`` objects from 0.29) with identical values, asks ``worker.store`` and records vLLM's ``lookup_exists`` metric
     per call. ``strategy`` is the engine's (see :class:`LookupEngine`): ``"oneshot"`` (default)
     sends vLLM's very keys in one ``batch_is_exist``; ``"rounds"`` asks only the keys the answer
-    needs. A worker that cannot be
-    reproduced (a Mamba group, a capacity-only worker, an unsupported vLLM, ...) keeps vLLM's
-    lookup: False, and one log line says why. Calling it again is harmless.
+    needs. A worker that cannot be reproduced (a capacity-only worker, an unsupported vLLM, a
+    group kind with lookup rules of its own, ...) keeps vLLM's lookup: False, and one log line
+    says why. Calling it again is harmless.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -140,7 +140,7 @@ def accelerate_worker(worker: Any, *, strategy: str = "oneshot") -> bool:
     if contract is None:
         from .versions import installed_version
 
-        log_once(logging.WARNING, "mooncake_keys: vLLM %s is not a supported release (0.33.x, 0.25.x): "
+        log_once(logging.WARNING, "mooncake_keys: vLLM %s is not a supported release (0.25-0.33): "
                  "keeping vLLM's own Mooncake lookup", installed_version())
         return False
     if getattr(worker, "_capacity_only", False) or getattr(worker, "coord", None) is None:

@@ -1,8 +1,9 @@
 """Tests against the real vLLM package's own code (a vLLM release installed in this interpreter).
 
-``scripts/dev.sh test`` runs this folder in a venv per vLLM release (0.33.0, 0.25.1), once on
-the compiled core and once with ``MOONCAKE_KEYS_NO_EXTENSIONS=1``, with ``MK_REQUIRE_VLLM``
-set to the release: then a missing or different vLLM fails the run instead of skipping it.
+``scripts/dev.sh test`` runs this folder once per vLLM release (0.25.1 ... 0.33.0, each release's
+package on ``PYTHONPATH`` in one dependency venv), once on the compiled core and once with
+``MOONCAKE_KEYS_NO_EXTENSIONS=1``, with ``MK_REQUIRE_VLLM`` set to the release: then a missing
+or different vLLM fails the run instead of skipping it.
 Elsewhere (no vLLM installed) nothing in this folder is collected.
 """
 
@@ -17,12 +18,14 @@ REQUIRED = os.environ.get("MK_REQUIRE_VLLM", "")
 
 
 def _vllm_version() -> str:
-    from importlib import metadata
+    """``vllm.__version__``, as vLLM reads it (whatever distribution installed the package)."""
+    import importlib.util
 
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
+    if importlib.util.find_spec("vllm") is None:
         return ""
+    import vllm
+
+    return str(vllm.__version__)
 
 
 VLLM_VERSION = _vllm_version()
@@ -34,9 +37,9 @@ if REQUIRED and VLLM_VERSION != REQUIRED:
 
 
 # Without vLLM there is nothing to compare against: nothing here is collected. The lookup in
-# the scheduler exists for vLLM 0.33 only.
+# the scheduler needs the store coordinator vLLM's scheduler holds from 0.32 on.
 collect_ignore_glob = [] if VLLM_VERSION else ["test_*.py"]
-if VLLM_VERSION and not VLLM_VERSION.startswith("0.33."):
+if VLLM_VERSION and not VLLM_VERSION.startswith(("0.32.", "0.33.")):
     collect_ignore_glob.append("test_in_scheduler.py")
 
 

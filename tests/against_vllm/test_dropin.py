@@ -21,9 +21,10 @@ import mooncake_keys as mk
 import mooncake_keys.vllm as mv
 from mooncake_keys.bench import vllm_workers
 from mooncake_keys.vllm.worker import FastLookup
-from support.vllm_cases import random_cfg, random_request, random_store, same_answers
+from support.vllm_cases import Release, random_cfg, random_request, random_store, same_answers
 
 vllm_workers.quiet(logging.CRITICAL)
+RELEASE = Release.installed()
 CASES = int(os.environ.get("MK_VLLM_DROPIN_CASES", "1500"))
 SEED0 = int(os.environ.get("MK_VLLM_SEED0", "0"))  # a held-out run: another range of seeds
 BATCHES = max(1, min(15, CASES))
@@ -52,13 +53,13 @@ def test_accelerated_worker_answers_as_vllm(batch):
     accelerated = 0
     for seed in range(SEED0 + batch * CASES // BATCHES, SEED0 + (batch + 1) * CASES // BATCHES):
         rng = random.Random(f"dropin:{seed}")
-        cfg = random_cfg(rng, vllm_workers.IS_033)
+        cfg = random_cfg(rng, RELEASE)
         try:
             worker = vllm_workers.build_worker(cfg, mk.RecordingStore())
         except vllm_workers.ConfigRejected:
             continue
         try:
-            requests = [random_request(rng, cfg, vllm_workers.IS_033) for _ in range(4)]
+            requests = [random_request(rng, cfg, RELEASE) for _ in range(4)]
             plans = [random_store(rng, hashes, cfg) for _, hashes in requests]
             theirs = [same_answers(p) for p in plans]
             ours = [same_answers(p) for p in plans]
@@ -108,21 +109,56 @@ def test_accelerated_worker_answers_as_vllm(batch):
     {"type": "mamba", "block_size": 16},
     {"type": "chunked_local", "block_size": 16, "attention_chunk_size": 64},
     {"type": "sink_full", "block_size": 16, "sink_len": 16},
+    {"type": "swa_mla", "block_size": 16, "sliding_window": 40},
 ])
-def test_what_cannot_be_expressed_keeps_vllms_lookup(group, caplog):
+def test_every_group_kind_the_connector_accepts_is_accelerated(group, caplog):
     cfg = {"groups": [{"type": "full", "block_size": 16}, group], "reuse_model_config": True}
+    worker = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
     try:
-        worker = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
-    except vllm_workers.ConfigRejected as exc:
-        pytest.skip(f"vLLM {vllm_workers.VLLM_VERSION} refuses it: {exc}")
-    original = worker.lookup
-    with caplog.at_level(logging.INFO, logger="mooncake_keys"):
-        assert mv.accelerate_worker(worker) is False
-        assert mv.accelerate_worker(worker) is False
-    assert worker.lookup == original
-    lines = [r.getMessage() for r in caplog.records if r.name.startswith("mooncake_keys")]
-    assert len(lines) == 1 and "keeping vLLM's own Mooncake lookup" in lines[0], lines
-    vllm_workers.release(worker)
+        with caplog.at_level(logging.INFO, logger="mooncake_keys"):
+            assert mv.accelerate_worker(worker) is True
+        assert isinstance(worker.lookup, FastLookup)
+        hashes = [bytes([i]) * 32 for i in range(8)]
+        assert vllm_workers.hit_length(worker.lookup(128, hashes)) == vllm_workers.hit_length(
+            worker.lookup.original(128, hashes))
+    finally:
+        vllm_workers.release(worker)
+
+
+def test_a_group_kind_with_rules_of_its_own_keeps_vllms_lookup(caplog):
+    """A spec whose manager changes the hit rule (here: a plugin's full-attention manager that
+    never hits) cannot be reproduced: vLLM's own lookup stays, with one log line."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    @dataclasses.dataclass(frozen=True)
+    class PluginSpec(FullAttentionSpec):
+        pass
+
+    class PluginManager(FullAttentionManager):
+        @classmethod
+        def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
+            return tuple([] for _ in kv_cache_group_ids), 0
+
+    KVCacheSpecRegistry.register(PluginSpec, PluginManager, uniform_type_base_spec=FullAttentionSpec)
+    spec = PluginSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    cfg = {"groups": [{"type": "full", "block_size": 16}, {"spec": spec}], "reuse_model_config": True}
+    worker = vllm_workers.build_worker(cfg, mk.RecordingStore(1))
+    try:
+        original = worker.lookup
+        with caplog.at_level(logging.INFO, logger="mooncake_keys"):
+            assert mv.accelerate_worker(worker) is False
+            assert mv.accelerate_worker(worker) is False
+        assert worker.lookup == original
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("mooncake_keys")]
+        assert len(lines) == 1 and "keeping vLLM's own Mooncake lookup" in lines[0], lines
+        assert "PluginSpec" in lines[0] and "PluginManager" in lines[0]
+    finally:
+        vllm_workers.release(worker)
 
 
 def test_the_factory_resolves_the_connector_and_accelerates_rank_0():
@@ -138,7 +174,7 @@ def test_the_factory_resolves_the_connector_and_accelerates_rank_0():
     other = vllm_workers.build_worker({**cfg, "tp_rank": 1}, mk.RecordingStore(1))
     assert not isinstance(other.lookup, FastLookup)  # only rank 0 answers lookups
     hashes = [bytes([i]) * 32 for i in range(4)]
-    full = 48 if vllm_workers.IS_033 else 64  # 0.33 recomputes the last block of a full hit
+    full = 48 if RELEASE.contract.rederives_full_hit else 64  # 0.27+ recompute the last block of a full hit
     assert vllm_workers.hit_length(rank0.lookup(64, hashes)) == vllm_workers.hit_length(other.lookup(64, hashes)) == full
     vllm_workers.release(rank0)
     vllm_workers.release(other)
