@@ -74,7 +74,16 @@ def test_faults_on_chosen_calls_only():
 def test_counting_without_recording_keeps_no_key():
     store = mk.RecordingStore([1, 1, 1], record_keys=False)
     store.batch_is_exist(KEYS)
-    assert store.calls == [] and (store.num_calls, store.keys_asked) == (1, 3)
+    assert store.calls == [] and (store.num_calls, store.keys_asked, store.keys_present) == (1, 3, 0)
+
+
+def test_keys_present_counts_the_answers_exactly_one():
+    """The read leases a real store would have granted: answers of exactly 1, faulty calls none."""
+    store = mk.RecordingStore(present={"a": 1, "b": True, "c": -900}, fault=ConnectionError("gone"), fault_calls={1})
+    store.batch_is_exist(KEYS)
+    with pytest.raises(ConnectionError):
+        store.batch_is_exist(KEYS)
+    assert (store.num_calls, store.keys_asked, store.keys_present) == (2, 6, 2)
 
 
 def test_check_keys_refuses_anything_but_a_list_of_str():

@@ -229,7 +229,8 @@ cdef inline bint _present(PyObject* v) noexcept:
 
 
 def reduce_presence(results, r):
-    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all present, else 0.
+    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all present, else 0; and how many
+    items are present.
 
     See ``_core_py.reduce_presence`` for the contract; this one is the same, compiled.
     """
@@ -240,7 +241,7 @@ def reduce_presence(results, r):
     if total % rr:
         raise ValueError(f"len(results) ({total}) is not a multiple of r ({r})")
     cdef Py_ssize_t n = total // rr
-    cdef Py_ssize_t i, j, k = 0
+    cdef Py_ssize_t i, j, k = 0, present = 0
     cdef bytearray flags = bytearray(n)
     cdef unsigned char[::1] f = flags
     cdef unsigned char ok
@@ -249,8 +250,10 @@ def reduce_presence(results, r):
     for i in range(n):
         ok = 1
         for j in range(rr):
-            if ok and not _present(PyList_GET_ITEM(lst, k)):
+            if _present(PyList_GET_ITEM(lst, k)):
+                present += 1
+            else:
                 ok = 0
             k += 1
         f[i] = ok
-    return flags
+    return flags, present

@@ -109,8 +109,9 @@ def _check_reduce_args(results: Any, r: Any) -> None:
         raise ValueError(f"r must be > 0, got {r}")
 
 
-def reduce_presence(results: list, r: int) -> bytearray:
-    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all present, else 0.
+def reduce_presence(results: list, r: int) -> "tuple[bytearray, int]":
+    """Flag ``i`` is 1 iff ``results[i*r : (i+1)*r]`` are all present, else 0; and how many
+    items are present (the keys a store answered present: on Mooncake, the read leases taken).
 
     ``results`` must be a list whose length is a multiple of ``r``; an item is present when it
     is an ``int`` (bools included) equal to 1. No item's own ``__eq__`` is ever called.
@@ -121,9 +122,10 @@ def reduce_presence(results: list, r: int) -> bytearray:
         raise ValueError(f"len(results) ({total}) is not a multiple of r ({r})")
     n = total // r
     flags = bytearray(map(operator.is_, map(_ONE_EQ, results), repeat(True)))
+    present = flags.count(1)
     if r == 1:
-        return flags
+        return flags, present
     acc = int.from_bytes(flags[0::r], "little")
     for j in range(1, r):
         acc &= int.from_bytes(flags[j::r], "little")
-    return bytearray(acc.to_bytes(n, "little"))
+    return bytearray(acc.to_bytes(n, "little")), present

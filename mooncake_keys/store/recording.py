@@ -52,8 +52,9 @@ class RecordingStore:
       unreachable).
 
     Every call is recorded, faulty ones too: ``calls`` holds a copy of each call's keys,
-    ``num_calls`` and ``keys_asked`` count them. ``record_keys=False`` only counts (a
-    benchmark would time the copies). ``check_keys=True`` raises ``TypeError`` for keys that
+    ``num_calls`` and ``keys_asked`` count them, ``keys_present`` counts the answers exactly 1
+    (on Mooncake, the read leases those calls took). ``record_keys=False`` only counts calls
+    and keys (a benchmark would time the copies and the count of present answers). ``check_keys=True`` raises ``TypeError`` for keys that
     are not a list of str (what the engine promises to send). ``close()`` does nothing.
     """
 
@@ -84,6 +85,7 @@ class RecordingStore:
         self.calls: List[List[str]] = []
         self.num_calls = 0
         self.keys_asked = 0
+        self.keys_present = 0
         self._lock = threading.Lock()
         #: Whether ``batch_is_exist`` may change or keep the list it is given (see ``LookupEngine``):
         #: only a function or a store behind this one could.
@@ -124,7 +126,14 @@ class RecordingStore:
                 self.calls.append(list(keys))
         fault = self.fault
         if fault is None or (self.fault_calls is not None and call not in self.fault_calls):
-            return self._answer(keys)
+            answer = self._answer(keys)
+            if self.record_keys and type(answer) is list:
+                from ..lookup._core import reduce_presence  # answers exactly 1, no item's code run
+
+                present = reduce_presence(answer, 1)[1] if answer else 0
+                with self._lock:
+                    self.keys_present += present
+            return answer
         if isinstance(fault, BaseException):
             raise fault.with_traceback(None)  # raised again and again: no growing traceback
         if isinstance(fault, type) and issubclass(fault, BaseException):
