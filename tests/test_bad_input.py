@@ -2,6 +2,8 @@
 
 import logging
 
+import dataclasses
+
 import pytest
 
 import mooncake_keys as mk
@@ -195,8 +197,15 @@ def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store)
     assert e.lookup(64, []) == 0
     f = make(mk.RecordingStore(fault=ConnectionError("master unreachable")))
     f.lookup(64, HS)
-    assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32)
-    assert f.stats() == mk.LookupStats(lookups=1, store_calls=1, store_failures=1, keys_sent=4, hit_tokens=0)
+    assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32,
+                                       hits=1, present_keys=3, tokens_asked=128)
+    down = f.stats()
+    assert down.unavailable_seconds > 0  # the store has been unavailable since the failed call
+    assert dataclasses.replace(down, unavailable_seconds=0.0) == mk.LookupStats(
+        lookups=1, store_calls=1, store_failures=1, keys_sent=4, hit_tokens=0, tokens_asked=64)
+    f.store = st  # answered again: the unavailable time stops growing
+    f.lookup(64, HS)
+    assert f.stats().unavailable_seconds == f.stats().unavailable_seconds > 0
 
 
 def test_hashes_from_any_iterable_are_read_once(impl, recording_store):

@@ -25,20 +25,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from array import array
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg
 from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
-from .rounds import MIN_KEYS as ROUNDS_MIN_KEYS, Rounds
+from .rounds import ALL, MIN_KEYS as ROUNDS_MIN_KEYS, Rounds
 
-__all__ = ["LookupEngine", "LookupResult", "LookupStats", "STRATEGIES", "TailKeyBoundary"]
+__all__ = ["LookupEngine", "LookupRecord", "LookupResult", "LookupStats", "STRATEGIES", "TailKeyBoundary"]
 
 #: How a lookup asks the store: every key in one call (vLLM's way), or in rounds (.rounds).
-STRATEGIES = ("oneshot", "rounds")
+STRATEGIES = ONESHOT, ROUNDS = ("oneshot", "rounds")
 
 logger = logging.getLogger("mooncake_keys.lookup")
 
@@ -66,13 +68,47 @@ _NO_HIT = LookupResult(0, ())
 
 @dataclass(frozen=True)
 class LookupStats:
-    """Counters since the engine was made: lookups answered, store calls, keys sent, hit tokens."""
+    """Counters since the engine was made (sizes in tokens and keys)."""
 
+    #: Lookups answered (a store fault answers 0: it counts).
     lookups: int
+    #: ``batch_is_exist`` calls made, and those that failed (their lookup answered 0).
     store_calls: int
     store_failures: int
+    #: Keys asked.
     keys_sent: int
+    #: Tokens of the hits, summed.
     hit_tokens: int
+    #: Lookups whose hit was more than 0 tokens.
+    hits: int = 0
+    #: Keys the store answered present. On Mooncake each took a read lease, which keeps that
+    #: object from eviction and removal for ``--default_kv_lease_ttl`` (docs/mooncake.md).
+    present_keys: int = 0
+    #: The ``num_tokens`` of every lookup, summed: ``hit_tokens / tokens_asked`` is the hit rate.
+    tokens_asked: int = 0
+    #: Seconds from a failed store call to the next answered one (to now while it lasts).
+    unavailable_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class LookupRecord:
+    """One lookup, as :attr:`LookupEngine.observer` sees it (sizes in tokens and keys)."""
+
+    num_tokens: int
+    hit_tokens: int
+    keys: int
+    calls: int
+    present_keys: int
+    #: "hit", "miss" or "fault" (a store call failed: the lookup answered 0).
+    outcome: str
+    seconds: float
+
+
+#: What a lookup step by step returns: (hit, number of hashes, per-group presence).
+Answer = Tuple[int, int, List[bytearray]]
+Steps = Generator[List[str], Optional[list], Optional[Answer]]
+#: A lookup's checked arguments: (num_tokens, lookup length, hashes, plan, skip_tokens).
+Prepared = Tuple[int, int, BlockHashes, LookupPlan, int]
 
 
 class LookupEngine(DeploymentViews):
@@ -144,15 +180,19 @@ class LookupEngine(DeploymentViews):
         counts = {len(hs) for hs in heads}
         self._uniform_r = counts.pop() if len(counts) == 1 else 0
         self._stats_lock = threading.Lock()
-        self._counts = [0, 0, 0, 0, 0]  # LookupStats fields, in order
+        self._counts = [0] * 8  # LookupStats fields, in order, but the unavailable seconds
+        self._unavailable = 0.0
+        self._down_since: Optional[float] = None  # when the last failed store call was
+        #: Called with a :class:`LookupRecord` after every lookup (metrics); None: not.
+        self.observer: Optional[Callable[[LookupRecord], None]] = None
 
     # --------------------------------------------------------------------------- steps
-    def _prepare(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any, name: str = "num_tokens"
-                 ) -> Optional[Tuple[int, BlockHashes, LookupPlan]]:
-        """The lookup length, the hashes and the plan; None when there is nothing to look up.
-        ``name``: the caller's name of ``num_tokens``, for error messages."""
+    def _prepare(self, num_tokens: int, block_hashes: Any, skip_tokens: Any, name: str = "num_tokens"
+                 ) -> Optional[Prepared]:
+        """``(num_tokens, the lookup length, the hashes, the plan, skip_tokens)``, checked; None
+        when there is nothing to look up. ``num_tokens`` is checked (``int_arg``) by the caller;
+        ``name``: the caller's name of it, for error messages."""
         dep = self.deployment
-        num_tokens = int_arg(name, num_tokens)
         skip_tokens = int_arg("skip_tokens", skip_tokens, min=0)
         hashes = as_block_hashes(block_hashes)
         if dep.contract.aligns_lookup_length:
@@ -166,7 +206,7 @@ class LookupEngine(DeploymentViews):
                 )
         if not len(hashes) or token_len <= 0:
             return None
-        return token_len, hashes, dep.plan(token_len, len(hashes), skip_tokens)
+        return num_tokens, token_len, hashes, dep.plan(token_len, len(hashes), skip_tokens), skip_tokens
 
     def _keys(self, token_len: int, skip_tokens: int, hashes: BlockHashes, plan: LookupPlan,
               for_store: bool = False) -> List[str]:
@@ -180,7 +220,7 @@ class LookupEngine(DeploymentViews):
         if keys is not None:
             return keys
         dep = self.deployment
-        n = self._keys_of(plan)
+        n = plan.num_keys
         keys = cache.take_spare() if for_store else None  # the last key list, to write over
         if keys is None:
             keys = [None] * n
@@ -198,82 +238,95 @@ class LookupEngine(DeploymentViews):
             cache.keep(fingerprint, blob, keys, size, spare=for_store)
         return keys
 
-    def _ask(self, keys: List[str], chunks: Sequence[int]) -> Optional[Any]:
-        """One ``batch_is_exist`` of ``keys`` (``chunks[g]`` chunks of each group, one key per
-        namespace); per chunk 1 when all its namespaces answered 1.
+    # --------------------------------------------------------------------------- the store
+    def call_store(self, keys: List[str]) -> Optional[list]:
+        """One ``batch_is_exist`` of ``keys``: the answers, a list as long as ``keys``, or None.
 
         The store-fault policy: an exception, an answer that is not a list or tuple, or one of
-        the wrong length gives None (the lookup answers 0) and one warning line. Error codes in
-        the answer (Mooncake's negative ``ErrorCode``, -900 when its master is unreachable)
-        count as absent, as in vLLM; when they are why the first absent chunk is absent, one
-        warning line says so.
+        the wrong length gives None (the lookup answers 0) and one warning line. Time from a
+        failed call to the next answered one counts as the store being unavailable.
         """
         try:
             results = self.store.batch_is_exist(keys)
         except Exception as exc:  # the scheduler must never crash on a store fault
-            logger.warning("lookup answered 0: batch_is_exist of %d keys raised %s: %s",
-                           len(keys), type(exc).__name__, exc)
-            return None
+            return self._failed("batch_is_exist of %d keys raised %s: %s", len(keys), type(exc).__name__, exc)
         if not isinstance(results, (list, tuple)):
-            logger.warning("lookup answered 0: batch_is_exist returned %s, not a list",
-                           type(results).__name__)
-            return None
+            return self._failed("batch_is_exist returned %s, not a list", type(results).__name__)
         try:
             if type(results) is not list:
                 results = list(results)  # a tuple, or a subclass: its items, read once
-            if len(results) != len(keys):
-                logger.warning("lookup answered 0: batch_is_exist returned %d results for %d keys",
-                               len(results), len(keys))
-                return None
-            flags = self._reduce(results, chunks)
-            first = flags.find(0)
-            if first >= 0:  # something is absent: say so if an error code is why
-                self._log_error_codes(results, first, chunks)
-            return flags
         except Exception as exc:  # a list subclass that fails to iterate, ...
+            return self._failed("the answer of batch_is_exist could not be read: %s: %s", type(exc).__name__, exc)
+        if len(results) != len(keys):
+            return self._failed("batch_is_exist returned %d results for %d keys", len(results), len(keys))
+        if self._down_since is not None:
+            with self._stats_lock:
+                if self._down_since is not None:
+                    self._unavailable += time.monotonic() - self._down_since
+                    self._down_since = None
+        return results
+
+    def _failed(self, message: str, *args: Any) -> None:
+        logger.warning("lookup answered 0: " + message, *args)
+        if self._down_since is None:
+            with self._stats_lock:
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+        return None
+
+    @staticmethod
+    def _log_error_codes(answers: list, n: int) -> None:
+        """One warning line when ``answers`` (a chunk's, one per namespace) hold an error code."""
+        codes = sorted({x for x in answers if type(x) is int and x < 0})
+        if codes:
+            logger.warning("lookup: batch_is_exist answered error code %s for %d keys (counted "
+                           "absent; -900: the master is unreachable)", codes, n)
+
+    def _read(self, results: list, pieces: Sequence[Tuple[int, int]]) -> Optional[Tuple[List[Any], int]]:
+        """Per piece ``(chunks, namespaces)`` of a call, in key order, one flag per chunk (1 when
+        every namespace answered exactly 1), and how many answers were exactly 1 (keys found
+        present). None (logged) when the answers cannot be read.
+
+        Error codes (Mooncake's negative ``ErrorCode``, -900 when its master is unreachable)
+        count as absent, as in vLLM; when they are why the first absent chunk is absent, one
+        warning line says so (only that chunk's answers are read: a master that cannot answer
+        answers every key so, and a code elsewhere does not end the hit there).
+        """
+        dep = self.deployment
+        try:
+            if len(pieces) == 1:  # one reduction for the whole call
+                r = pieces[0][1]
+                flags, present = dep.reduce(results, r)
+                first = flags.find(0)
+                if first >= 0:
+                    self._log_error_codes(results[first * r:(first + 1) * r], len(results))
+                return [flags], present
+            out, off, present = [], 0, 0
+            for n, r in pieces:
+                f, p = dep.reduce(results[off:off + n * r], r) if n else (b"", 0)
+                out.append(f)
+                present += p
+                off += n * r
+            off = 0
+            for (n, r), f in zip(pieces, out):
+                first = f.find(0)
+                if first >= 0:  # the first absent chunk of the call: an error code?
+                    self._log_error_codes(results[off + first * r:off + (first + 1) * r], len(results))
+                    break
+                off += n * r
+            return out, present
+        except Exception as exc:  # an answer the core cannot read
             logger.warning("lookup answered 0: the answer of batch_is_exist could not be read: %s: %s",
                            type(exc).__name__, exc)
             return None
 
-    def _log_error_codes(self, results: list, first: int, chunks: Sequence[int]) -> None:
-        """One warning line when the answers of chunk ``first`` (the first absent one, counted
-        across groups in key order) hold an error code.
-
-        Only that chunk's answers are read (a few per lookup, whatever its size): a master that
-        cannot answer answers every key so, and a code elsewhere does not end the hit there."""
-        off = 0
-        for g, c in enumerate(chunks):
-            r = len(self.deployment.heads[g])
-            if first < c:
-                answers = results[off + first * r:off + (first + 1) * r]
-                codes = sorted({x for x in answers if type(x) is int and x < 0})
-                if codes:
-                    logger.warning("lookup: batch_is_exist answered error code %s for %d keys (counted "
-                                   "absent; -900: the master is unreachable)", codes, len(results))
-                return
-            first -= c
-            off += c * r
-
-    def _reduce(self, results: list, chunks: Sequence[int]) -> Any:
-        dep = self.deployment
-        if self._uniform_r:
-            return dep.reduce(results, self._uniform_r)
-        flags = bytearray()
-        off = 0
-        for g, c in enumerate(chunks):
-            n = c * len(dep.heads[g])
-            if n:
-                flags += dep.reduce(results[off:off + n], len(dep.heads[g]))
-            off += n
-        return bytes(flags)
-
     # --------------------------------------------------------------------------- public
     def candidate_keys(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> List[str]:
         """The keys :meth:`lookup` sends, in order (group, then chunk, then namespace)."""
-        prepared = self._prepare(token_len, block_hashes, skip_tokens, "token_len")
+        prepared = self._prepare(int_arg("token_len", token_len), block_hashes, skip_tokens, "token_len")
         if prepared is None:
             return []
-        aligned, hashes, plan = prepared
+        _, aligned, hashes, plan, skip_tokens = prepared
         return self._keys(aligned, skip_tokens, hashes, plan)
 
     def lookup(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> int:
@@ -303,71 +356,120 @@ class LookupEngine(DeploymentViews):
         boundaries = dep.tail_boundaries(hit, presence, num_hashes)
         return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
 
-    def _lookup(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any
-                ) -> Optional[Tuple[int, int, List[bytearray]]]:
-        """(hit, number of hashes, per-group presence), or None for no hit at all."""
+    def _lookup(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any) -> Optional[Answer]:
+        """(hit, number of hashes, per-group presence), or None for no hit at all: the lookup
+        :meth:`steps` describes, driven here with this engine's store (a one-shot lookup without
+        the generator: its fixed cost is a few microseconds of a short prompt's lookup)."""
+        start, tally, prepared, mode = self._begin(num_tokens, block_hashes, skip_tokens)
+        answer: Optional[Answer] = None
+        if mode == ONESHOT:
+            keys = self._oneshot_keys(prepared)
+            answer = self._oneshot_answer(prepared, keys, self.call_store(keys) if keys else None, tally)
+        elif mode == ROUNDS:
+            steps = self._in_rounds(prepared, tally)
+            try:
+                keys = next(steps)
+                while True:
+                    keys = steps.send(self.call_store(keys))
+            except StopIteration as done:
+                answer = done.value
+        self._finish(tally, answer, start)
+        return answer
+
+    def steps(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any = 0) -> Steps:
+        """One lookup, step by step: a generator that yields the keys of each store call it
+        needs and takes that call's answers (a list as long as the keys, or None for a failed
+        call: see :meth:`call_store`); it returns (hit, number of hashes, per-group presence),
+        or None for no hit. :meth:`lookup` asks this engine's store; a caller running many
+        lookups at once can ask their keys together (``mooncake_keys.lookup.batch``).
+        Argument errors are raised by the first ``next``."""
+        start, tally, prepared, mode = self._begin(num_tokens, block_hashes, skip_tokens)
+        answer: Optional[Answer] = None
+        if mode == ONESHOT:
+            keys = self._oneshot_keys(prepared)
+            answer = self._oneshot_answer(prepared, keys, (yield keys) if keys else None, tally)
+        elif mode == ROUNDS:
+            answer = yield from self._in_rounds(prepared, tally)
+        self._finish(tally, answer, start)
+        return answer
+
+    def _begin(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any
+               ) -> Tuple[float, List[int], Optional[Prepared], Optional[str]]:
+        """A lookup's start: its clock, its tally (tokens asked, keys, calls, present keys,
+        failed calls), its length, hashes and plan, and how it asks: ``ONESHOT``, ``ROUNDS`` or
+        None (nothing to ask and nothing presumed: no hit, as vLLM answers with no candidates)."""
+        start = time.perf_counter()
+        num_tokens = int_arg("num_tokens", num_tokens)
         prepared = self._prepare(num_tokens, block_hashes, skip_tokens)
-        if prepared is None:
-            self._count(0, 0, 0)
-            return None
-        aligned, hashes, plan = prepared
-        if self.strategy == "rounds" and self._keys_of(plan) >= self.rounds_min_keys:
-            return self._lookup_in_rounds(num_tokens, hashes, plan)
-        keys = self._keys(aligned, skip_tokens, hashes, plan, for_store=True)
+        tally = [num_tokens, 0, 0, 0, 0]
+        mode = None
+        if prepared is not None:
+            n = prepared[3].num_keys
+            if n or prepared[3].presumes_any:
+                mode = ROUNDS if self.strategy == "rounds" and n >= self.rounds_min_keys else ONESHOT
+        return start, tally, prepared, mode
+
+    def _oneshot_keys(self, prepared: Prepared) -> List[str]:
+        _, token_len, hashes, plan, skip_tokens = prepared
+        return self._keys(token_len, skip_tokens, hashes, plan, for_store=True)
+
+    def _oneshot_answer(self, prepared: Prepared, keys: List[str], results: Optional[list], tally: List[int]
+                        ) -> Optional[Answer]:
+        num_tokens, _, hashes, plan, _ = prepared
         if keys:
-            flags = self._ask(keys, [len(p.asked) for p in plan.groups])
+            if self._uniform_r:  # one reduction for the whole call
+                pieces = [(plan.chunks_asked, self._uniform_r)]
+            else:
+                pieces = [(len(p.asked), len(h)) for p, h in zip(plan.groups, self.deployment.heads)]
+            flags = self._answered(results, pieces, len(keys), tally)
             if flags is None:
-                self._count(len(keys), 1, 0)
                 return None
-        elif not plan.presumes_any:
-            self._count(0, 0, 0)
-            return None  # nothing to ask and nothing presumed: no hit (vLLM: no candidates)
+            presence = plan.presence(flags[0] if len(flags) == 1 else b"".join(flags))
         else:
-            flags = b""
-        presence = plan.presence(flags)
-        hit = self._hit(num_tokens, len(hashes), plan, presence)
-        self._count(len(keys), 0, hit)
-        return hit, len(hashes), presence
+            presence = plan.presence(b"")
+        return self._hit(num_tokens, len(hashes), plan, presence), len(hashes), presence
 
-    def _keys_of(self, plan: LookupPlan) -> int:
-        """Keys a one-shot lookup of ``plan`` sends."""
-        heads = self.deployment.heads
-        return sum(len(p.asked) * len(heads[g]) for g, p in enumerate(plan.groups))
-
-    def _lookup_in_rounds(self, num_tokens: int, hashes: BlockHashes, plan: LookupPlan
-                          ) -> Optional[Tuple[int, int, List[bytearray]]]:
+    def _in_rounds(self, prepared: Prepared, tally: List[int]) -> Steps:
         """The one-shot answer, asking only until the bounds of the hit meet (see .rounds)."""
+        num_tokens, _, hashes, plan, _ = prepared
         dep = self.deployment
         heads = dep.heads
         state = Rounds(dep, plan)
         n = len(hashes)
-        sent = calls = 0
         while True:
             low = self._hit(num_tokens, n, plan, state.low)
             high = self._hit(num_tokens, n, plan, state.high)
             if low == high:
-                self._count_rounds(sent, calls, 0, low)
                 return low, n, state.low
-            chosen = state.next_round(low, high)
-            chunks = [sum(b - a for a, b in slices) for slices in chosen]
-            keys: List[Any] = [None] * sum(c * len(heads[g]) for g, c in enumerate(chunks))
+            segments = state.next_round(low, high)
+            sizes = [(len(seg.slots), len(seg.heads)) for seg in segments]
+            keys: List[Any] = [None] * sum(c * r for c, r in sizes)
             pos = 0
-            for g, slices in enumerate(chosen):
-                index = state.groups[g].index
-                for a, b in slices:
-                    pos = dep.fill_keys(keys, pos, heads[g], hashes, index[a:b])
-            flags = self._ask(keys, chunks)
-            sent += len(keys)
-            calls += 1
+            for seg in segments:
+                group_heads = heads[seg.group]
+                hs = group_heads if seg.mode == ALL else tuple(group_heads[h] for h in seg.heads)
+                index = state.groups[seg.group].index
+                slots = seg.slots
+                idx = index[slots.start:slots.stop] if isinstance(slots, range) else array("q", [index[s] for s in slots])
+                pos = dep.fill_keys(keys, pos, hs, hashes, idx)
+            results = yield keys
+            flags = self._answered(results, sizes, len(keys), tally)
             if flags is None:
-                self._count_rounds(sent, calls, 1, 0)
                 return None
-            off = 0
-            per_group = []
-            for c in chunks:
-                per_group.append(flags[off:off + c])
-                off += c
-            state.record(chosen, per_group)
+            state.record(segments, flags)
+
+    def _answered(self, results: Optional[list], pieces: Sequence[Tuple[int, int]], n: int,
+                  tally: List[int]) -> Optional[List[Any]]:
+        """A call of ``n`` keys, its answers read (see :meth:`_read`) and counted; None for a
+        failed call."""
+        tally[1] += n
+        tally[2] += 1
+        read = self._read(results, pieces) if results is not None else None
+        if read is None:
+            tally[4] += 1
+            return None
+        tally[3] += read[1]
+        return read[0]
 
     def _hit(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> int:
         dep = self.deployment
@@ -379,10 +481,10 @@ class LookupEngine(DeploymentViews):
             hit = dep.hit_length(presence, usable, num_hashes) if usable > 0 else 0
         return hit
 
-    def _count(self, keys: int, failed: int, hit: int) -> None:
-        self._count_rounds(keys, 1 if keys else 0, failed, hit)
-
-    def _count_rounds(self, keys: int, calls: int, failed: int, hit: int) -> None:
+    def _finish(self, tally: List[int], answer: Optional[Answer], start: float) -> None:
+        """Count one lookup (and hand its record to :attr:`observer`, if any)."""
+        hit = answer[0] if answer is not None else 0
+        tokens, keys, calls, present, failed = tally
         with self._stats_lock:
             c = self._counts
             c[0] += 1
@@ -390,8 +492,16 @@ class LookupEngine(DeploymentViews):
             c[2] += failed
             c[3] += keys
             c[4] += hit
+            c[5] += hit > 0
+            c[6] += present
+            c[7] += tokens
+        observer = self.observer
+        if observer is not None:
+            outcome = "fault" if failed else "hit" if hit else "miss"
+            observer(LookupRecord(tokens, hit, keys, calls, present, outcome, time.perf_counter() - start))
 
     def stats(self) -> LookupStats:
         """Counters since creation (see :class:`LookupStats`)."""
         with self._stats_lock:
-            return LookupStats(*self._counts)
+            down = 0.0 if self._down_since is None else time.monotonic() - self._down_since
+            return LookupStats(*self._counts, unavailable_seconds=self._unavailable + down)

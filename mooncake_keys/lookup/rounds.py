@@ -1,36 +1,38 @@
 """Asking in rounds: a lookup that costs only the keys its answer needs.
 
-The one-shot lookup (vLLM's) asks every candidate chunk in one ``batch_is_exist``. On a real
-master every key costs about a microsecond, so a miss at chunk 0 still pays for the whole
-prompt. Asked in rounds, a lookup asks a few chunks of every group first, then more, and stops
-as soon as the answer is decided.
+The one-shot lookup (vLLM's) asks every candidate chunk in every namespace in one
+``batch_is_exist``. On a real master every key costs about a microsecond, and every key found
+present also takes a read lease that blocks its eviction for a while (docs/mooncake.md). Asked
+in rounds, a lookup asks what can decide its answer first, and stops as soon as it is decided.
 
-*Decided* has a precise meaning. Counting every chunk not asked yet as absent gives a lower
-bound of the hit (``low``), counting them present an upper bound (``high``), wherever the hit
+*Decided* has a precise meaning. Counting every chunk not known yet as absent gives a lower
+bound of the hit (``low``), counting it present an upper bound (``high``), wherever the hit
 grows with presence (:attr:`Coordinator.hit_is_monotone`; elsewhere the engine asks one-shot).
-When the two bounds meet, every answer the store could give for the rest yields that hit: it is
-exactly the one-shot lookup's. A property test holds the two strategies equal on random stores.
+A chunk is known present when every namespace of its group answered 1, known absent as soon as
+one namespace answered anything else. When the two bounds meet, every answer the store could
+give for the rest yields that hit: it is exactly the one-shot lookup's. Property tests hold the
+two strategies equal on random stores, and tests/against_vllm on vLLM's own code.
 
-Which chunks a round asks, per group (a chunk is asked at most once):
+The answer's floor is every namespace of every full-attention chunk up to and including the
+first absent one, plus the chunks the other groups read at the hit (a sliding window, a Mamba
+state, the last attention chunk). The rounds come close to it:
 
-- full attention: the lowest chunks not asked yet (its hit is a prefix), none past the upper
-  bound; the first round ``first`` of them, then ``growth`` times as many each round, or with
-  ``growth=None`` (the default) all the rest at once: every extra round costs a round trip
-  (0.1-0.4 ms on loopback, as much as a few hundred keys), so a hit pays one small round more
-  than the one-shot lookup, where doubling rounds would pay several;
-- sliding window: the highest chunks not asked yet at or below the upper bound (a window ends
-  there) and above the lower bound less a window: ``first``, then a window's worth, doubling
-  each round. A window far below the full-attention hit is never asked.
+1. **Probes.** A full-attention group asks its first chunks in every namespace, and *probes*
+   chunks spread over the rest of the prompt in one namespace each (rotating through them):
+   spaced by :data:`PROBE_GAP_KEYS` keys' worth of chunks near the start and by
+   :data:`PROBE_GAP_FRACTION` of the position further on, a few dozen keys in all. A probe
+   answering absent ends the hit there (an absent chunk in any namespace does).
+2. **Up to the first absent probe.** Every namespace of every chunk below it (the namespaces a
+   probe did not ask): the full-attention hit is then decided, having asked at most a probe gap
+   past the floor.
+3. **The other groups at the hit**, once full attention is decided: a sliding window's chunks
+   just below the upper bound, a Mamba group's last aligned states (one, then more), a chunked
+   group's last attention chunk. A group with no full-attention group beside it starts there.
 
-If no group has a chunk left between the bounds, the rest is asked: a lookup always ends, after
-at most as many keys as the one-shot lookup. A lookup of fewer than :data:`MIN_KEYS` keys is
-asked one-shot: it has little to save, and a hit would pay the extra round trip.
-
-Measured on a real ``mooncake_master`` on loopback (docs/benchmarks.md): a miss on standard
-scenario (a) costs 64 keys in one call instead of 16,384 (about 0.1x the one-shot time); a full
-hit costs one round of 64 keys more (about 1.0x); with a sliding-window group beside full
-attention (scenario b) only the windows near the hit are asked (0.05x at a miss, 0.5-0.7x at a
-partial or full hit).
+If no group has a chunk left that could move a bound, the rest is asked: a lookup always ends,
+after at most the keys of the one-shot lookup, and never asks a key twice. A lookup of fewer
+than :data:`MIN_KEYS` keys is asked one-shot: it has little to save, and a hit would pay the
+extra round trips.
 
 Rounds work in *slots*: the positions of a group's asked chunks in the lookup plan (under a
 lookup mask not every chunk is asked), so a round is a few slices of the plan's arrays.
@@ -38,46 +40,83 @@ lookup mask not every chunk is asked), so a round is a few slices of the plan's 
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
-from typing import List, Optional, Sequence, Tuple
+from math import gcd
+from typing import Dict, List, NamedTuple, Sequence, Tuple, Union
 
 from .deployment import Deployment, LookupPlan
-from .specs import SlidingWindowSpec
+from .specs import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
-__all__ = ["Rounds", "DEFAULT_FIRST_ROUND", "DEFAULT_GROWTH", "MIN_KEYS", "Slices"]
+__all__ = ["Rounds", "Segment", "MIN_KEYS", "PROBE_GAP_KEYS", "PROBE_GAP_FRACTION", "FIRST_ROUND_KEYS"]
 
-#: Chunks per group in the first round.
-DEFAULT_FIRST_ROUND = 8
-#: Full attention: each round asks this many times the chunks of the last; None: all the rest.
-DEFAULT_GROWTH: Optional[int] = None
 #: A lookup of fewer keys than this is asked one-shot. A round trip costs the master about as
-#: much as 100-200 keys (0.1-0.2 ms on loopback), so below ~2,000 keys the first round of a hit
+#: much as 100-200 keys (0.1-0.2 ms on loopback), so below ~2,000 keys the extra rounds of a hit
 #: would cost more than 10 % (short prompts: standard scenario (d) sends 512 keys).
 MIN_KEYS = 2048
+#: Keys the first round asks of a full-attention group's first chunks (every namespace).
+FIRST_ROUND_KEYS = 64
+#: Probes are at most this many keys' worth of chunks apart (the second round's overshoot past
+#: the first absent chunk is below one gap) ...
+PROBE_GAP_KEYS = 400
+#: ... or, further on, this fraction of their position (the overshoot stays a few % of the hit).
+PROBE_GAP_FRACTION = 0.08
+#: A Mamba group asks this many times more states each round after its first.
+MAMBA_GROWTH = 8
 
-#: Per group, the slot ranges ``(start, stop)`` a round asks.
-Slices = Tuple[Tuple[Tuple[int, int], ...], ...]
+ALL, PROBE, REST = 0, 1, 2
+Slots = Union[range, array]
+
+
+class Segment(NamedTuple):
+    """What one round asks of one group: ``slots`` (positions in the group's plan) in the
+    namespaces ``heads`` (indices into the group's key heads); ``mode`` says which: ``ALL``
+    every namespace, ``PROBE`` one, ``REST`` every namespace but the one a probe asked."""
+
+    group: int
+    slots: Slots
+    heads: Tuple[int, ...]
+    mode: int
+
+
+def _runs(known: bytearray, start: int, stop: int) -> List[Tuple[int, int]]:
+    """The runs of unknown slots (``known`` byte 0) in ``[start, stop)``."""
+    out = []
+    i = known.find(0, start, stop)
+    while i >= 0:
+        ends = [e for e in (known.find(1, i, stop), known.find(2, i, stop)) if e >= 0]
+        j = min(ends) if ends else stop
+        out.append((i, j))
+        i = known.find(0, j, stop) if j < stop else -1
+    return out
 
 
 class _Group:
-    """What is known of one group: presence per chunk with unknown chunks absent (``low``) and
-    present (``high``), and which slots were asked."""
-
-    __slots__ = ("pos", "index", "known", "low", "high", "lo", "block_size", "window", "swa")
+    """What is known of one group: per slot unknown (0), known (1) or probed present in one
+    namespace (2); per chunk presence with the unknown absent (``low``) and present (``high``)."""
 
     def __init__(self, deployment: Deployment, g: int, plan: LookupPlan) -> None:
+        self.g = g
         p = plan.groups[g]
         spec = deployment.store_groups[g].spec
         self.pos = p.asked
         self.index = p.index
         self.known = bytearray(len(p.asked))
+        self.probed: Dict[int, int] = {}  # slot -> the namespace its probe found present
         self.low = plan.presence_of(g, b"")
         self.high = plan.presence_of(g, b"\x01" * len(p.asked))
-        self.lo = 0  # full attention: every slot below is known
+        self.first_absent = len(p.asked)  # the first slot known absent
         self.block_size = spec.block_size
-        self.swa = isinstance(spec, SlidingWindowSpec)
+        self.r = len(deployment.heads[g])
+        self.kind = ("swa" if isinstance(spec, SlidingWindowSpec) else "mamba" if isinstance(spec, MambaSpec)
+                     else "chunked" if isinstance(spec, ChunkedLocalAttentionSpec) else "full")
         eagle = g in deployment.coordinator.eagle_group_ids
-        self.window = spec.blocks_needed(eagle) if self.swa else 0
+        self.eagle = int(eagle)
+        self.window = spec.blocks_needed(eagle) if self.kind == "swa" else 0
+        alignment = deployment.coordinator.alignment
+        self.step = alignment // gcd(spec.block_size, alignment)  # Mamba: chunk j aligned iff (j+1) % step == 0
+        self.chunk = getattr(spec, "attention_chunk_size", 0)
+        self.asked_rounds = 0
 
     def slot(self, chunk: int) -> int:
         """The first slot whose chunk is ``>= chunk``."""
@@ -86,62 +125,84 @@ class _Group:
             return min(max(chunk - pos.start, 0), len(pos))
         return bisect_left(pos, chunk)
 
-    def lowest_unknown(self, size: Optional[int], top: int) -> Tuple[Tuple[int, int], ...]:
-        lo = self.known.find(0, self.lo)
-        self.lo = lo = len(self.known) if lo < 0 else lo
-        stop = self.slot(top) if size is None else min(lo + size, self.slot(top))
-        return ((lo, stop),) if stop > lo else ()
+    def chunk_of(self, slot: int) -> int:
+        return self.pos[slot]
 
-    def highest_unknown(self, size: int, floor: int, top: int) -> Tuple[Tuple[int, int], ...]:
-        out = []
-        first, hi = self.slot(floor), self.slot(top)
-        known = self.known
+    def decided_below(self, top: int) -> bool:
+        """Whether every slot below ``min(top, first absent)`` is known."""
+        stop = min(top, self.first_absent)
+        return self.known.find(0, 0, stop) < 0 and self.known.find(2, 0, stop) < 0
+
+    # ------------------------------------------------------------------ round choices
+    def everything(self, stop: int, all_heads: Tuple[int, ...]) -> List[Segment]:
+        """Every namespace not asked yet of the slots below ``stop``."""
+        g = self.g
+        out = [Segment(g, range(a, b), all_heads, ALL) for a, b in _runs(self.known, 0, stop)]
+        by_head: Dict[int, List[int]] = {}
+        for s, k in self.probed.items():
+            if s < stop and self.known[s] == 2:
+                by_head.setdefault(k, []).append(s)
+        for k, slots in sorted(by_head.items()):
+            out.append(Segment(g, array("q", sorted(slots)), tuple(h for h in all_heads if h != k), REST))
+        return out
+
+    def probes(self, start: int, stop: int) -> List[Segment]:
+        """One namespace each of slots spread over ``[start, stop)``, rotating namespaces."""
+        gap0 = max(1, PROBE_GAP_KEYS // self.r)
+        chosen: Dict[int, List[int]] = {}
+        s, n = start, 0
+        while s < stop:
+            if not self.known[s]:
+                chosen.setdefault(n % self.r, []).append(s)
+                n += 1
+            s += max(gap0, int(self.chunk_of(s) * PROBE_GAP_FRACTION))
+        return [Segment(self.g, array("q", slots), (k,), PROBE) for k, slots in sorted(chosen.items())]
+
+    def highest(self, size: int, floor: int, top: int, all_heads: Tuple[int, ...],
+                aligned_only: bool = False) -> List[Segment]:
+        """Up to ``size`` unknown slots, the highest first, in ``[floor, top)`` (Mamba: only
+        slots whose chunk ends aligned)."""
+        picked: List[int] = []
+        j = top
+        known, step = self.known, self.step
         while size > 0:
-            j = known.rfind(0, first, hi)
+            j = known.rfind(0, floor, j)
             if j < 0:
                 break
-            start = max(known.rfind(1, first, j) + 1, first, j + 1 - size)  # the run of unknown slots down from j
-            out.append((start, j + 1))
-            size -= j + 1 - start
-            hi = start
-        return tuple(reversed(out))
+            if not aligned_only or (self.chunk_of(j) + 1) % step == 0:
+                picked.append(j)
+                size -= 1
+        if not picked:
+            return []
+        return [Segment(self.g, array("q", sorted(picked)), all_heads, ALL)]
 
-    def unknown_runs(self) -> Tuple[Tuple[int, int], ...]:
-        out, known, i = [], self.known, 0
-        while True:
-            i = known.find(0, i)
-            if i < 0:
-                return tuple(out)
-            j = known.find(1, i)
-            j = len(known) if j < 0 else j
-            out.append((i, j))
-            i = j
+    def lowest(self, start: int, stop: int, all_heads: Tuple[int, ...]) -> List[Segment]:
+        """Every unknown slot in ``[start, stop)``."""
+        return [Segment(self.g, range(a, b), all_heads, ALL) for a, b in _runs(self.known, start, stop)]
 
-    def record(self, start: int, stop: int, flags: bytes) -> None:
-        self.known[start:stop] = b"\x01" * (stop - start)
-        pos = self.pos
-        if isinstance(pos, range):
-            c0 = pos.start + start
-            self.low[c0:c0 + stop - start] = flags
-            self.high[c0:c0 + stop - start] = flags
-            return
-        low, high = self.low, self.high
-        for s, f in zip(range(start, stop), flags):
-            low[pos[s]] = high[pos[s]] = f
+    # ------------------------------------------------------------------ answers
+    def record(self, seg: Segment, flags: bytes) -> None:
+        known, low, high, pos = self.known, self.low, self.high, self.pos
+        mode = seg.mode
+        for s, f in zip(seg.slots, flags):
+            c = pos[s]
+            if mode == PROBE and f:
+                if self.r > 1:
+                    known[s] = 2
+                    self.probed[s] = seg.heads[0]
+                    continue
+            known[s] = 1
+            low[c] = high[c] = 1 if f else 0
+            if not f and s < self.first_absent:
+                self.first_absent = s
 
 
 class Rounds:
-    """One lookup asked in rounds: what is known, and which slots to ask next."""
+    """One lookup asked in rounds: what is known, and what to ask next (see the module doc)."""
 
-    def __init__(self, deployment: Deployment, plan: LookupPlan, first: int = DEFAULT_FIRST_ROUND,
-                 growth: Optional[int] = DEFAULT_GROWTH) -> None:
-        if first < 1:
-            raise ValueError(f"first must be >= 1 chunk, got {first}")
-        if growth is not None and growth < 2:
-            raise ValueError(f"growth must be None or >= 2, got {growth}")
+    def __init__(self, deployment: Deployment, plan: LookupPlan) -> None:
         self.groups = [_Group(deployment, g, plan) for g in range(len(plan.groups))]
-        self.first = first
-        self.growth = growth
+        self.heads = [tuple(range(len(hs))) for hs in deployment.heads]
         self.round = 0
 
     @property
@@ -152,29 +213,46 @@ class Rounds:
     def high(self) -> List[bytearray]:
         return [grp.high for grp in self.groups]
 
-    def next_round(self, low: int, high: int) -> Slices:
-        """Per group, the slots to ask next, given the bounds ``low`` < ``high`` of the hit in
-        tokens; every group's empty when nothing is left to ask."""
+    def next_round(self, low: int, high: int) -> List[Segment]:
+        """What to ask next given the bounds ``low`` < ``high`` of the hit (tokens)."""
         k = self.round
         self.round += 1
-        chosen = []
+        out: List[Segment] = []
+        fulls = [grp for grp in self.groups if grp.kind == "full"]
+        full_decided = all(grp.decided_below(grp.slot(high // grp.block_size + 1)) for grp in fulls)
         for grp in self.groups:
+            heads = self.heads[grp.g]
             bs = grp.block_size
-            if grp.swa:
-                size = self.first if k == 0 else max(self.first, grp.window) << (k - 1)
-                floor = max(0, low // bs - grp.window)
-                chosen.append(grp.highest_unknown(size, floor, high // bs + 2))
-            else:
-                size = self.first if k == 0 else (None if self.growth is None else self.first * self.growth ** k)
-                chosen.append(grp.lowest_unknown(size, high // bs + 2))
-        if not any(chosen):  # nothing between the bounds: ask what is left, and be done
-            chosen = [grp.unknown_runs() for grp in self.groups]
-        return tuple(chosen)
+            top = grp.slot(high // bs + 1)
+            if grp.kind == "full":
+                if k == 0:
+                    head = min(top, max(1, FIRST_ROUND_KEYS // grp.r))
+                    out += grp.lowest(0, head, heads) + grp.probes(head, top)
+                else:
+                    out += grp.everything(min(top, grp.first_absent), heads)
+                continue
+            if fulls and not full_decided:
+                continue  # the other groups are read at the hit, once full attention has it
+            n = grp.asked_rounds
+            if grp.kind == "swa":  # a window ends at the upper bound (one chunk past it with EAGLE)
+                end = grp.slot(high // bs + grp.eagle)
+                out += grp.highest(grp.window << n, grp.slot(max(0, low // bs - grp.window)), end, heads)
+            elif grp.kind == "mamba":
+                out += grp.highest(MAMBA_GROWTH ** n, grp.slot(low // bs), top, heads, aligned_only=True)
+            else:  # chunked local attention: the last attention chunk below the upper bound
+                start = grp.slot(high // grp.chunk * grp.chunk // bs) if high else 0
+                out += grp.lowest(start, top, heads)
+                if start > 0 and n == 0:  # and the chunk before it (vLLM reads it for the tail key)
+                    out += grp.lowest(start - 1, start, heads)
+            if out and out[-1].group == grp.g:
+                grp.asked_rounds += 1
+        if not out:  # nothing between the bounds: ask what is left, and be done
+            for grp in self.groups:
+                out += grp.everything(len(grp.known), self.heads[grp.g])
+        return out
 
-    def record(self, chosen: Slices, flags: Sequence[bytes]) -> None:
-        """Take a round's answers: per group, one flag per chunk asked (slices in order)."""
-        for grp, slices, f in zip(self.groups, chosen, flags):
-            off = 0
-            for start, stop in slices:
-                grp.record(start, stop, f[off:off + stop - start])
-                off += stop - start
+    def record(self, segments: Sequence[Segment], flags: Sequence[bytes]) -> None:
+        """Take a round's answers: per segment, one flag per slot (1: present in every
+        namespace the segment asked)."""
+        for seg, f in zip(segments, flags):
+            self.groups[seg.group].record(seg, f)
