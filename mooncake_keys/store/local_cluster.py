@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 import time
 from typing import List, Optional
@@ -123,6 +124,14 @@ class LocalCluster:
         leader = self.wait_leader(5.0)
         leader.kill()
         return leader
+
+    def pause_etcd(self) -> None:
+        """SIGSTOP etcd, so that requests to it hang (an etcd stall, for fault tests)."""
+        self._etcd.signal(signal.SIGSTOP)
+
+    def resume_etcd(self) -> None:
+        """SIGCONT a paused etcd."""
+        self._etcd.signal(signal.SIGCONT)
 
     def pids(self) -> List[int]:
         return [p for p in [self.etcd_pid, *(m.pid for m in self.masters)] if p is not None]
