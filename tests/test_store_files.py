@@ -147,7 +147,7 @@ def test_a_cluster_leaves_nothing_after_a_clean_stop():
     assert ours() == before
 
 
-def test_a_cluster_that_does_not_start_keeps_its_logs_not_its_data(monkeypatch, tmp_path):
+def test_a_cluster_that_does_not_start_keeps_its_logs_not_its_data(tmp_path):
     needs_etcd()
     fake = tmp_path / "mooncake_master"
     fake.write_text("#!/bin/sh\necho 'fake master: cannot start' >&2\nexit 3\n")
