@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh demo    # the main job: a serving workload on the embedded default store
 #   bash scripts/dev.sh test    # the whole test suite: both cores, real Mooncake, every vLLM release's own code
 #   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench), vLLM 0.33 beside
+#   MOONCAKE_KEYS_SUITE_TAG=<tag> bash scripts/dev.sh leftovers   # "PID NAME" of what a suite left running
 #
 # Everything Python goes into the project venv .venv (never the system interpreter). What the
 # tests need of vLLM lives under $MOONCAKE_KEYS_CACHE (default ~/.cache/mooncake_keys), built once
@@ -138,6 +139,7 @@ run_pytest() {  # $1: the python; the rest: pytest arguments
 
 # Every process the suite starts inherits this tag; the leftover check counts only those, not a
 # mooncake_master or etcd another job on the machine runs.
+SUITE_TAG_GIVEN=${MOONCAKE_KEYS_SUITE_TAG:-}
 export MOONCAKE_KEYS_SUITE_TAG=${MOONCAKE_KEYS_SUITE_TAG:-suite-$$-$RANDOM$RANDOM}
 
 leftovers() {  # the suite's mooncake_master / etcd processes still running
@@ -146,6 +148,12 @@ leftovers() {  # the suite's mooncake_master / etcd processes still running
     tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "MOONCAKE_KEYS_SUITE_TAG=$MOONCAKE_KEYS_SUITE_TAG" && echo "$pid"
   done
   return 0
+}
+
+cmd_leftovers() {  # what the check sees: "PID NAME" of each tagged process still running
+  [ -n "$SUITE_TAG_GIVEN" ] || { echo "usage: MOONCAKE_KEYS_SUITE_TAG=<tag> bash scripts/dev.sh leftovers" >&2; return 2; }
+  local pid
+  for pid in $(leftovers); do echo "$pid $(cat "/proc/$pid/comm" 2>/dev/null)"; done
 }
 
 nothing_left() {
@@ -230,5 +238,6 @@ case "${1:-}" in
   install) install_system; install_python mooncake,test,bench ;;
   vllm) install_python mooncake,test; vllm_deps_venv >/dev/null
         for r in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do vllm_release "$r"; done ;;
-  *) echo "usage: bash scripts/dev.sh {demo|test|bench|install|vllm}" >&2; exit 2 ;;
+  leftovers) cmd_leftovers ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|bench|install|vllm|leftovers}" >&2; exit 2 ;;
 esac

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import pytest
 pytest.importorskip("mooncake.store")
 pytestmark = pytest.mark.mooncake
 
+from mooncake_keys.store.local_cluster import LocalCluster  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster, LocalMasterError  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore, MooncakeStoreUnavailable  # noqa: E402
 from mooncake_keys.store.process import listening_sockets  # noqa: E402
@@ -182,3 +185,34 @@ def test_concurrent_calls_never_pile_up_threads(tmp_path):
             master.start()
         finally:
             store.close()
+
+
+# ------------------------------------------------------------------ the suite's leftover check
+def test_the_leftover_check_lists_only_the_processes_the_suite_started(monkeypatch):
+    """``bash scripts/dev.sh test`` fails when a mooncake_master or etcd outlives the suite: it
+    counts only processes carrying the suite's tag in their environment (which LocalMaster's and
+    LocalCluster's children inherit), never a master another job on the machine runs."""
+    if shutil.which("etcd") is None or shutil.which("pgrep") is None:
+        pytest.skip("etcd or pgrep is not installed")
+    tag = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def listed() -> dict:
+        out = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "dev.sh"), "leftovers"], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, MOONCAKE_KEYS_SUITE_TAG=tag))
+        assert out.returncode == 0, out.stderr
+        return {int(pid): name for pid, name in (line.split() for line in out.stdout.splitlines())}
+
+    monkeypatch.setenv("MOONCAKE_KEYS_SUITE_TAG", tag)
+    cluster, ours, other = LocalCluster(masters=1), LocalMaster(), LocalMaster()
+    try:
+        cluster.start()
+        ours.start()
+        monkeypatch.delenv("MOONCAKE_KEYS_SUITE_TAG")
+        other.start()  # another job's master: no tag in its environment
+        assert other.is_running()
+        assert listed() == {cluster.etcd_pid: "etcd", cluster.masters[0].pid: "mooncake_master",
+                            ours.pid: "mooncake_master"}
+    finally:
+        for stop in (other.stop, ours.stop, cluster.stop):
+            stop()
+    assert listed() == {}

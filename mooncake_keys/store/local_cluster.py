@@ -7,22 +7,31 @@ The masters elect a leader through etcd; the others stand by. When the leader di
 takes over (about 10 s here, 9.6 s measured: the leader's etcd lease runs out, then a fixed 5 s warm-up) and,
 thanks to the oplog, every key put before is still there. Every process dies with the one that
 started the cluster (see :mod:`.process`) and is stopped by PID.
+
+etcd's data (~120 MiB) and the logs live in a work directory (:mod:`.workdir`) made at
+:meth:`LocalCluster.start` and removed by :meth:`LocalCluster.stop`; on a failure the logs are
+kept (etcd's data is not) and named in the error or a warning.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
-import tempfile
+import signal
 import time
+from pathlib import Path
 from typing import List, Optional
 
 from .._checks import int_arg, seconds_arg
 from .local_master import HOST, LocalMaster, LocalMasterError, free_port, http_json
 from .process import ManagedProcess, owns_listening_port
+from .workdir import WorkDir
 
 __all__ = ["LocalCluster", "find_etcd_executable"]
+
+logger = logging.getLogger("mooncake_keys.store")
 
 _RUNNING: set = set()
 
@@ -38,21 +47,26 @@ def find_etcd_executable() -> str:
 MAX_MASTERS = 16
 
 class LocalCluster:
-    """etcd and ``masters`` HA ``mooncake_master`` processes with an oplog, on loopback."""
+    """etcd and ``masters`` HA ``mooncake_master`` processes with an oplog, on loopback.
+
+    The logs (``etcd.log``, ``master<i>.log``) go to ``log_dir`` when given (and stay there),
+    else into the work directory; ``log_dir`` tells where they are once started."""
 
     def __init__(self, masters: int = 2, *, default_kv_lease_ttl: Optional[int] = 200, ready_timeout: float = 30.0,
                  log_dir: Optional[str] = None) -> None:
         int_arg("masters", masters, min=1, max=MAX_MASTERS)
         self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
-        self._tmp = tempfile.mkdtemp(prefix="mooncake_cluster-")
-        self.log_dir = log_dir or self._tmp
+        self._log_dir_given = log_dir
+        self.log_dir = log_dir
+        self._workdir: Optional[WorkDir] = None  # made at start: a cluster never started leaves nothing
         self.etcd_port = free_port()
-        self._etcd = ManagedProcess("etcd", os.path.join(self.log_dir, "etcd.log"))
+        self._etcd = ManagedProcess("etcd", "")
+        self._etcd_signalled = False
         endpoints = f"{HOST}:{self.etcd_port}"
+        # Their log paths are set at start, in the log directory.
         self.masters: List[LocalMaster] = [
-            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints,
-                        log_path=os.path.join(self.log_dir, f"master{i}.log"), ready_timeout=ready_timeout)
-            for i in range(masters)
+            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints, ready_timeout=ready_timeout)
+            for _ in range(masters)
         ]
 
     @property
@@ -66,22 +80,34 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         """Start etcd, then the masters; return once one of them serves."""
+        etcd = find_etcd_executable()
         _RUNNING.add(self)
+        if self._workdir is None:
+            self._workdir = WorkDir("cluster")
+        self.log_dir = self._log_dir_given or self._workdir.path
+        self._etcd.log_path = os.path.join(self.log_dir, "etcd.log")
+        for i, master in enumerate(self.masters):
+            master.log_path = Path(self.log_dir) / f"master{i}.log"
         try:
-            self._start_etcd()
+            self._start_etcd(etcd)
             for master in self.masters:
                 master.start()
             self.wait_leader(self.ready_timeout)
+        except LocalMasterError as exc:
+            self._stop(keep=str(exc))
+            raise LocalMasterError(f"{exc}\n(the cluster's logs are kept in {self.log_dir})") from None
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_etcd(self) -> None:
+    def _start_etcd(self, exe: str) -> None:
+        assert self._workdir is not None
         peer, metrics = free_port(), free_port()
         client_url, peer_url = f"http://{HOST}:{self.etcd_port}", f"http://{HOST}:{peer}"
+        self._etcd_signalled = False
         self._etcd.start([
-            find_etcd_executable(), "--data-dir", os.path.join(self._tmp, "etcd-data"), "--name", "default",
+            exe, "--data-dir", os.path.join(self._workdir.path, "etcd-data"), "--name", "default",
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"default={peer_url}", "--listen-metrics-urls", f"http://{HOST}:{metrics}",
@@ -124,16 +150,45 @@ class LocalCluster:
         leader.kill()
         return leader
 
+    def _failure(self) -> str:
+        """What died by itself, if anything did (a process we stopped or killed did not)."""
+        rc = None if self._etcd_signalled else self._etcd.exit_code()
+        failed = [f"etcd pid {self.etcd_pid} had exited by itself with code {rc}"] if rc not in (None, 0) else []
+        failed += [m.exited_by_itself() for m in self.masters if m.exited_by_itself()]
+        return "; ".join(failed)
+
+    def pause_etcd(self) -> None:
+        """SIGSTOP etcd, so that requests to it hang (an etcd stall, for fault tests)."""
+        self._etcd.signal(signal.SIGSTOP)
+
+    def resume_etcd(self) -> None:
+        """SIGCONT a paused etcd."""
+        self._etcd.signal(signal.SIGCONT)
+
     def pids(self) -> List[int]:
         return [p for p in [self.etcd_pid, *(m.pid for m in self.masters)] if p is not None]
 
     def stop(self) -> None:
-        """Stop the masters, then etcd, and remove the data directory."""
+        """Stop the masters, then etcd, and remove the work directory: etcd's data and the logs
+        (kept, with a warning naming them, when a process had exited by itself with an error)."""
+        failure = self._failure()
+        self._stop(keep=failure)
+        if failure:
+            logger.warning("%s; the cluster's logs are kept in %s", failure, self.log_dir)
+
+    def _stop(self, keep: str = "") -> None:
         for master in self.masters:
             master.stop(timeout=5.0)
+        self._etcd_signalled = True
         self._etcd.stop(timeout=5.0)
-        shutil.rmtree(self._tmp, ignore_errors=True)
         _RUNNING.discard(self)
+        if self._workdir is not None:
+            if keep and self._log_dir_given is None:  # the logs are in it
+                shutil.rmtree(os.path.join(self._workdir.path, "etcd-data"), ignore_errors=True)
+                self._workdir.keep(keep)
+            else:
+                self._workdir.remove()
+            self._workdir = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

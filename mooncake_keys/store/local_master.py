@@ -11,6 +11,10 @@ It dies with the process that started it, whatever ends that process (Linux: see
 :mod:`.process`), and it is ready only when *it* answers: alive, ``/health`` ready, and the RPC
 and metrics ports held by its own sockets (a second master on ports another one holds would
 otherwise look ready, answered for by the first, until it dies a second later).
+
+Unless given a ``log_path``, it logs into a work directory of its own (:mod:`.workdir`),
+removed on a clean stop; on a failure (it would not start, or it had exited by itself) the log is
+kept and named in the error or a warning.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -33,6 +36,7 @@ from typing import Any, Optional
 
 from .._checks import MAX_SECONDS, int_arg, seconds_arg
 from .process import ManagedProcess, owns_listening_port
+from .workdir import WorkDir
 
 __all__ = ["LocalMaster", "LocalMasterError", "find_master_executable", "free_port"]
 
@@ -91,6 +95,11 @@ class LocalMaster:
     ``etcd_endpoints`` (``"127.0.0.1:PORT"``) it is an HA master with an oplog (see
     :class:`~mooncake_keys.store.local_cluster.LocalCluster`). Used as a context manager it
     stops the master on exit; an ``atexit`` hook stops any master still running.
+
+    ``log_path`` is the master's log (appended to, and left where it is); without one the log is
+    ``master.log`` in a work directory made at :meth:`start` and removed by a clean :meth:`stop`,
+    kept when the master failed (the error, or a warning, names it). ``log_path`` tells where it
+    is once started.
     """
 
     def __init__(
@@ -114,11 +123,11 @@ class LocalMaster:
         self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
         self.executable = executable
         self.etcd_endpoints = etcd_endpoints
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
-        self._child = ManagedProcess("mooncake_master", str(self.log_path))
+        self.log_path: Optional[Path] = None if log_path is None else Path(log_path)
+        self._own_log = False  # the log lives in a work directory of ours (no log_path given)
+        self._workdir: Optional[WorkDir] = None
+        self._signalled = False  # we stopped or killed it: its exit is not a failure
+        self._child = ManagedProcess("mooncake_master", "")
 
     # ----------------------------------------------------------- addresses
 
@@ -172,10 +181,20 @@ class LocalMaster:
         exe = self.executable or find_master_executable()
         self.rpc_port = self.rpc_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
-        self._child.start(self._args(exe))
+        if self.log_path is None or self._own_log:
+            self._own_log = True
+            if self._workdir is None:  # a restart after a kill appends to the same log
+                self._workdir = WorkDir("master")
+            self.log_path = Path(self._workdir.path) / "master.log"
+        self._child.log_path = str(self.log_path)
+        self._signalled = False
         _RUNNING.add(self)
         try:
+            self._child.start(self._args(exe))
             self._wait(self._ready, self.ready_timeout, "ready")
+        except LocalMasterError as exc:
+            self._stop(keep=str(exc))  # the log the error names is kept
+            raise
         except BaseException:
             self.stop()
             raise
@@ -233,14 +252,36 @@ class LocalMaster:
         return self._child.log_tail(chars)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (graceful, ~1-2 s), then SIGKILL after ``timeout`` seconds."""
+        """SIGTERM (graceful, ~1-2 s), then SIGKILL after ``timeout`` seconds. Removes the log
+        (unless ``log_path`` was given), or keeps it, with a warning naming it, when the master
+        had exited by itself with an error."""
+        failure = self.exited_by_itself()
+        self._stop(timeout, keep=failure)
+        if failure:
+            logger.warning("%s; its log is kept: %s", failure, self.log_path)
+
+    def exited_by_itself(self) -> str:
+        """Why the master counts as failed: it exited with an error, not stopped or killed by us
+        ("" when it did not)."""
+        rc = None if self._signalled else self._child.exit_code()
+        return "" if rc in (None, 0) else f"mooncake_master pid {self.pid} had exited by itself with code {rc}"
+
+    def _stop(self, timeout: float = 10.0, keep: str = "") -> None:
+        """Stop the child; then remove our work directory, or keep it (``keep``: why)."""
+        self._signalled = True
         self._child.stop(timeout)
         _RUNNING.discard(self)
+        if self._workdir is not None:
+            if keep:
+                self._workdir.keep(keep)
+            else:
+                self._workdir.remove()
+            self._workdir = None
 
     def kill(self) -> None:
-        """SIGKILL the master at once and reap it (for fault tests)."""
+        """SIGKILL the master at once and reap it (for fault tests). Its log stays until :meth:`stop`."""
+        self._signalled = True
         self._child.kill()
-        _RUNNING.discard(self)
 
     def restart(self) -> "LocalMaster":
         """Stop if running, then start again on the same ports (a plain master loses its keys)."""

@@ -270,8 +270,8 @@ class MooncakeStore:
             # it asks the leader directly, and a new client follows a new leader.
             try:
                 host, port = resolve_master(master_address)
-            except OSError as exc:
-                raise MooncakeStoreError(f"Mooncake setup failed: {exc}") from None
+            except OSError as exc:  # etcd unreadable, an answer that is not etcd's, no leader
+                raise MooncakeStoreError(f"Mooncake setup failed: no leader found for {master_address}: {exc}") from None
             target = f"{host}:{port}"
 
             def _reconnect(h: str, p: int) -> Any:
@@ -327,8 +327,16 @@ class MooncakeStore:
 
     # ----------------------------------------------------------- guard
 
+    def _probe_says_down(self) -> bool:
+        probe = self._probe
+        if probe is None or not probe.down:
+            return False
+        probe.ensure_running()  # a dead probe must not hold the store down
+        return True
+
     def _check_up(self) -> None:
-        if self._probe is not None and self._probe.down:
+        if self._probe_says_down():
+            assert self._probe is not None
             raise MooncakeStoreUnavailable(MASTER_UNREACHABLE, self.master_address, self._probe.reason)
         health = self._client.health_check()
         if health != HEALTHY:
@@ -407,7 +415,7 @@ class MooncakeStore:
         """0 healthy, 1 not initialised or closed, 2 master unreachable (cached, < 1 µs)."""
         try:
             with self._gate.call("store"):
-                if self._probe is not None and self._probe.down:
+                if self._probe_says_down():
                     return MASTER_UNREACHABLE
                 return self._client.health_check()
         except GateClosed:
