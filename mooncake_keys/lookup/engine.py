@@ -102,6 +102,9 @@ class LookupRecord:
     #: "hit", "miss" or "fault" (a store call failed: the lookup answered 0).
     outcome: str
     seconds: float
+    #: Seconds the store has been unavailable since the last record (summed over records,
+    #: :attr:`LookupStats.unavailable_seconds` up to this lookup).
+    unavailable_seconds: float = 0.0
 
 
 #: What a lookup step by step returns: (hit, number of hashes, per-group presence).
@@ -183,6 +186,7 @@ class LookupEngine(DeploymentViews):
         self._counts = [0] * 8  # LookupStats fields, in order, but the unavailable seconds
         self._unavailable = 0.0
         self._down_since: Optional[float] = None  # when the last failed store call was
+        self._reported_unavailable = 0.0  # what the observer's records have counted of it
         #: Called with a :class:`LookupRecord` after every lookup (metrics); None: not.
         self.observer: Optional[Callable[[LookupRecord], None]] = None
 
@@ -346,7 +350,10 @@ class LookupEngine(DeploymentViews):
     def lookup_result(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> LookupResult:
         """:meth:`lookup` with vLLM 0.33's whole answer: the hit length and, per store group,
         its tail key boundary (see :class:`LookupResult`)."""
-        answer = self._lookup(num_tokens, block_hashes, skip_tokens)
+        return self.result_of(self._lookup(num_tokens, block_hashes, skip_tokens))
+
+    def result_of(self, answer: Optional[Answer]) -> LookupResult:
+        """The :class:`LookupResult` of what :meth:`steps` returned."""
         if answer is None:
             return _NO_HIT
         hit, num_hashes, presence = answer
@@ -376,24 +383,27 @@ class LookupEngine(DeploymentViews):
         self._finish(tally, answer, start)
         return answer
 
-    def steps(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any = 0) -> Steps:
+    def steps(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any = 0, *,
+              rounds_min_keys: Optional[int] = None, hints: Sequence[int] = ()) -> Steps:
         """One lookup, step by step: a generator that yields the keys of each store call it
         needs and takes that call's answers (a list as long as the keys, or None for a failed
         call: see :meth:`call_store`); it returns (hit, number of hashes, per-group presence),
         or None for no hit. :meth:`lookup` asks this engine's store; a caller running many
-        lookups at once can ask their keys together (``mooncake_keys.lookup.batch``).
+        lookups at once can ask their keys together (``mooncake_keys.lookup.batch``): it may
+        ask in rounds from fewer keys than :attr:`rounds_min_keys` (its calls are shared) and
+        hint where the stored prefix may end (``hints``, tokens: see :class:`.rounds.Rounds`).
         Argument errors are raised by the first ``next``."""
-        start, tally, prepared, mode = self._begin(num_tokens, block_hashes, skip_tokens)
+        start, tally, prepared, mode = self._begin(num_tokens, block_hashes, skip_tokens, rounds_min_keys)
         answer: Optional[Answer] = None
         if mode == ONESHOT:
             keys = self._oneshot_keys(prepared)
             answer = self._oneshot_answer(prepared, keys, (yield keys) if keys else None, tally)
         elif mode == ROUNDS:
-            answer = yield from self._in_rounds(prepared, tally)
+            answer = yield from self._in_rounds(prepared, tally, hints)
         self._finish(tally, answer, start)
         return answer
 
-    def _begin(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any
+    def _begin(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any, rounds_min_keys: Optional[int] = None
                ) -> Tuple[float, List[int], Optional[Prepared], Optional[str]]:
         """A lookup's start: its clock, its tally (tokens asked, keys, calls, present keys,
         failed calls), its length, hashes and plan, and how it asks: ``ONESHOT``, ``ROUNDS`` or
@@ -406,7 +416,8 @@ class LookupEngine(DeploymentViews):
         if prepared is not None:
             n = prepared[3].num_keys
             if n or prepared[3].presumes_any:
-                mode = ROUNDS if self.strategy == "rounds" and n >= self.rounds_min_keys else ONESHOT
+                least = self.rounds_min_keys if rounds_min_keys is None else rounds_min_keys
+                mode = ROUNDS if self.strategy == "rounds" and n >= least else ONESHOT
         return start, tally, prepared, mode
 
     def _oneshot_keys(self, prepared: Prepared) -> List[str]:
@@ -429,12 +440,12 @@ class LookupEngine(DeploymentViews):
             presence = plan.presence(b"")
         return self._hit(num_tokens, len(hashes), plan, presence), len(hashes), presence
 
-    def _in_rounds(self, prepared: Prepared, tally: List[int]) -> Steps:
+    def _in_rounds(self, prepared: Prepared, tally: List[int], hints: Sequence[int] = ()) -> Steps:
         """The one-shot answer, asking only until the bounds of the hit meet (see .rounds)."""
         num_tokens, _, hashes, plan, _ = prepared
         dep = self.deployment
         heads = dep.heads
-        state = Rounds(dep, plan)
+        state = Rounds(dep, plan, hints)
         n = len(hashes)
         while True:
             low = self._hit(num_tokens, n, plan, state.low)
@@ -498,7 +509,11 @@ class LookupEngine(DeploymentViews):
         observer = self.observer
         if observer is not None:
             outcome = "fault" if failed else "hit" if hit else "miss"
-            observer(LookupRecord(tokens, hit, keys, calls, present, outcome, time.perf_counter() - start))
+            with self._stats_lock:
+                down = self._unavailable + (0.0 if self._down_since is None else time.monotonic() - self._down_since)
+                unavailable, self._reported_unavailable = down - self._reported_unavailable, down
+            observer(LookupRecord(tokens, hit, keys, calls, present, outcome, time.perf_counter() - start,
+                                  unavailable))
 
     def stats(self) -> LookupStats:
         """Counters since creation (see :class:`LookupStats`)."""

@@ -20,8 +20,10 @@ state, the last attention chunk). The rounds come close to it:
 1. **Probes.** A full-attention group asks its first chunks in every namespace, and *probes*
    chunks spread over the rest of the prompt in one namespace each (rotating through them):
    spaced by :data:`PROBE_GAP_KEYS` keys' worth of chunks near the start and by
-   :data:`PROBE_GAP_FRACTION` of the position further on, a few dozen keys in all. A probe
-   answering absent ends the hit there (an absent chunk in any namespace does).
+   :data:`PROBE_GAP_FRACTION` of the position further on, a few dozen keys in all, and the
+   chunks the caller hints at (a batch of lookups hints where each request stops sharing its
+   hashes with the others: a shared system prompt's end). A probe answering absent ends the
+   hit there (an absent chunk in any namespace does).
 2. **Up to the first absent probe.** Every namespace of every chunk below it (the namespaces a
    probe did not ask): the full-attention hit is then decided, having asked at most a probe gap
    past the floor.
@@ -146,16 +148,19 @@ class _Group:
             out.append(Segment(g, array("q", sorted(slots)), tuple(h for h in all_heads if h != k), REST))
         return out
 
-    def probes(self, start: int, stop: int) -> List[Segment]:
-        """One namespace each of slots spread over ``[start, stop)``, rotating namespaces."""
+    def probes(self, start: int, stop: int, hints: Sequence[int] = ()) -> List[Segment]:
+        """One namespace each of slots spread over ``[start, stop)``, rotating namespaces, and
+        of the chunks ``hints`` (where the caller expects the stored prefix to end)."""
         gap0 = max(1, PROBE_GAP_KEYS // self.r)
-        chosen: Dict[int, List[int]] = {}
-        s, n = start, 0
+        picked = set()
+        s = start
         while s < stop:
-            if not self.known[s]:
-                chosen.setdefault(n % self.r, []).append(s)
-                n += 1
+            picked.add(s)
             s += max(gap0, int(self.chunk_of(s) * PROBE_GAP_FRACTION))
+        picked.update(s for s in map(self.slot, hints) if start <= s < stop)
+        chosen: Dict[int, List[int]] = {}
+        for n, s in enumerate(sorted(s for s in picked if not self.known[s])):
+            chosen.setdefault(n % self.r, []).append(s)
         return [Segment(self.g, array("q", slots), (k,), PROBE) for k, slots in sorted(chosen.items())]
 
     def highest(self, size: int, floor: int, top: int, all_heads: Tuple[int, ...],
@@ -200,10 +205,14 @@ class _Group:
 class Rounds:
     """One lookup asked in rounds: what is known, and what to ask next (see the module doc)."""
 
-    def __init__(self, deployment: Deployment, plan: LookupPlan) -> None:
+    def __init__(self, deployment: Deployment, plan: LookupPlan, hints: Sequence[int] = ()) -> None:
+        """``hints``: tokens where the stored prefix may well end (a batch of lookups knows
+        where a request stops sharing its hashes with the others): the first round probes the
+        chunk holding each."""
         self.groups = [_Group(deployment, g, plan) for g in range(len(plan.groups))]
         self.heads = [tuple(range(len(hs))) for hs in deployment.heads]
         self.round = 0
+        self.hints = tuple(hints)
 
     @property
     def low(self) -> List[bytearray]:
@@ -227,7 +236,8 @@ class Rounds:
             if grp.kind == "full":
                 if k == 0:
                     head = min(top, max(1, FIRST_ROUND_KEYS // grp.r))
-                    out += grp.lowest(0, head, heads) + grp.probes(head, top)
+                    hinted = [t // bs for t in self.hints]
+                    out += grp.lowest(0, head, heads) + grp.probes(head, top, hinted)
                 else:
                     out += grp.everything(min(top, grp.first_absent), heads)
                 continue
