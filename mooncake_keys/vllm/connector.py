@@ -8,26 +8,32 @@ Turned on with one line of config::
 
 Everything is vLLM's (saves, loads, events, metrics, the ZMQ lookup channel) except the lookup:
 on rank 0 the worker's lookup is replaced by :func:`~mooncake_keys.vllm.accelerate_worker`.
-With ``"lookup_in_scheduler": true`` in ``kv_connector_extra_config`` the scheduler answers
-lookups itself (:mod:`.scheduler`). ``"lookup_strategy"`` there is the engine's strategy:
-``"oneshot"`` (default: vLLM's very keys, one call) or ``"rounds"`` (only the keys the answer
-needs: a miss costs a few keys instead of the whole prompt's).
+In ``kv_connector_extra_config``: ``"lookup_strategy"`` is the engine's strategy,
+``"rounds"`` (default: only the keys the answer needs) or ``"oneshot"`` (vLLM's very keys, one
+call); ``"lookup_in_scheduler": true`` makes the scheduler answer lookups itself
+(:mod:`.scheduler`), then vLLM's own ``"lookup_async": true`` makes them asynchronous and
+coalesced. The drop-in's log lines join vLLM's log stream (:mod:`.logs`) and its metrics
+vLLM's (:mod:`.metrics`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+import threading
+from typing import Any, Dict, List, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
 from ..lookup.engine import STRATEGIES
+from .handshake import handshake_path, new_token, publish
+from .logs import join_vllm_logging
 from .mapping import Unsupported
-from .scheduler import SchedulerLookupClient, handshake_path, publish, scheduler_deployment
+from .metrics import FALLBACK, ConnectorStats, PromMetrics, add_row, fallback_row, recorder
+from .scheduler import SchedulerLookupClient, check_rank0, scheduler_deployment
 from .versions import contract_for_installed
-from .worker import accelerate_worker, log_once
+from .worker import RecordedStore, accelerate_worker, log_once
 
 __all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER", "LOOKUP_STRATEGY"]
 
@@ -44,8 +50,11 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         self._handshake: Optional[str] = None  # vLLM's __del__ calls shutdown() even after a failed __init__
+        self._sched_stats: Optional[ConnectorStats] = None
+        self._sched_lock = threading.Lock()
+        join_vllm_logging()  # first: what follows logs in vLLM's stream
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self._strategy = extra.get(LOOKUP_STRATEGY, "oneshot")
+        self._strategy = extra.get(LOOKUP_STRATEGY, "rounds")
         if self._strategy not in STRATEGIES:  # before vLLM's connector starts anything
             raise ValueError(f"kv_connector_extra_config[{LOOKUP_STRATEGY!r}] must be one of {STRATEGIES}, "
                              f"got {self._strategy!r}")
@@ -59,12 +68,15 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         if worker is None or vllm_config.parallel_config.rank != 0:
             return  # only rank 0 answers lookups
         if accelerate_worker(worker, strategy=self._strategy) and self._in_scheduler:
+            token = new_token()
             try:
-                self._handshake = publish(vllm_config, worker.lookup.engine.prefixes)
+                self._handshake = publish(vllm_config, worker.lookup.engine.prefixes, token)
+                worker.lookup.handshake_token = token
             except OSError as exc:
                 log_once(logging.WARNING, "mooncake_keys: could not publish rank 0's lookup keys (%s): "
                          "the scheduler keeps the ZMQ path", exc)
 
+    # ------------------------------------------------------------------ the scheduler side
     def _lookup_in_scheduler(self, vllm_config: Any) -> None:
         from ..lookup.engine import LookupEngine
         from ..store.mooncake import MooncakeStore
@@ -79,9 +91,43 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         except Exception as exc:  # noqa: BLE001 - any failure: vLLM's ZMQ path stays
             log_once(logging.WARNING, "mooncake_keys: lookups stay on the ZMQ path to rank 0: %s: %s",
                      type(exc).__name__, exc)
+            self._append(FALLBACK, fallback_row(f"in the scheduler: {type(exc).__name__}: {exc}"))
             return
-        engine = LookupEngine.for_deployment(deployment, store=store, strategy=self._strategy)
-        sched.client = SchedulerLookupClient(sched.client, engine, store, handshake_path(vllm_config))
+        engine = LookupEngine.for_deployment(deployment, store=RecordedStore(store, self._record), strategy=self._strategy)
+        engine.observer = recorder(self._append, "scheduler")
+        path = handshake_path(vllm_config)
+        sched.client = SchedulerLookupClient(sched.client, engine, store,
+                                             verify=lambda: check_rank0(path, vllm_config, engine))
+
+    def _append(self, operation: str, row: Dict[str, Any]) -> None:
+        """Add a row to the scheduler side's stats (vLLM asks for them every step)."""
+        with self._sched_lock:
+            if self._sched_stats is None:
+                self._sched_stats = ConnectorStats()
+            add_row(self._sched_stats.data, operation, row)
+
+    def _record(self, operation: str, duration_seconds: float, num_keys: int, *, num_bytes: int = 0,
+                status: str = "ok", num_failed_keys: int = 0) -> None:
+        """vLLM's ``_record_kv_connector_operation``, for the scheduler's own store calls."""
+        self._append(operation, {"duration_seconds": duration_seconds, "num_keys": num_keys, "num_bytes": num_bytes,
+                                 "status": status, "num_failed_keys": num_failed_keys})
+
+    # ------------------------------------------------------------------ vLLM's metrics hooks
+    def get_kv_connector_stats(self) -> Any:
+        if self.connector_worker is not None:
+            return super().get_kv_connector_stats()
+        with self._sched_lock:  # the scheduler side: its lookups, if it answers any
+            stats, self._sched_stats = self._sched_stats, None
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
+        return ConnectorStats(data=data) if data is not None else ConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]) -> Any:
+        return PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._handshake is not None:

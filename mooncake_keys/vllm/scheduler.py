@@ -2,62 +2,45 @@
 instead of the ZMQ round trip to rank 0 (``"lookup_in_scheduler": true``).
 
 The scheduler-side connector already holds everything the keys depend on (parallel sizes,
-model, KV-cache groups, its own coordinator), so it builds the same engine as rank 0. Before
-answering a single lookup itself, it checks its lookup key prefixes against the ones rank 0
-published (:func:`publish`): equal, or it stays on the ZMQ path. Its Mooncake client asks only
-``batch_is_exist``: no segment, no buffer (Mooncake's ``rpc_only`` protocol). Anything that
-fails (no config, no master, a deployment it cannot derive) leaves the ZMQ path in place, with
-one log line.
+model, KV-cache groups, its own coordinator: vLLM 0.32 and later), so it builds the same engine
+as rank 0. It answers a lookup itself only once a background thread has checked rank 0's
+published lookup key prefixes against its own and rank 0's handshake token (:mod:`.handshake`);
+until then, and whenever they differ, lookups take vLLM's ZMQ path. Its Mooncake client asks
+only ``batch_is_exist``: no segment, no buffer (Mooncake's ``rpc_only`` protocol).
+
+vLLM's scheduler asks ``lookup(req_id, num_tokens, block_hashes, non_block=...)``:
+
+* ``non_block=False`` (vLLM's default): answered at once, in the scheduler's thread (one lookup,
+  as rank 0 would, without the ZMQ hop);
+* ``non_block=True`` (``"lookup_async": true`` in ``kv_connector_extra_config``): the request is
+  handed to a :class:`~mooncake_keys.lookup.batch.LookupBatcher` and None is answered until its
+  lookup is decided (vLLM then retries the request on a later step). The scheduler's thread
+  never waits on the master; lookups pending together go to the master together, a key shared
+  by several requests asked once; ``discard`` (a request aborted while pending) stops it.
+
+Every lookup answered here is recorded as vLLM's ``lookup_exists`` operation and the drop-in's
+own metrics (side ``scheduler``), reported through the scheduler connector's stats.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Callable, Dict, Optional
 
+from ..lookup.batch import LookupBatcher
 from ..lookup.deployment import Deployment
 from ..lookup.engine import LookupEngine
+from .handshake import ask_rank0, read_published, token_answer
 from .mapping import Unsupported, deployment_of
-from .worker import log_once
+from .worker import VllmResults, log_once
 
-__all__ = ["SchedulerLookupClient", "handshake_path", "publish", "scheduler_deployment"]
+__all__ = ["SchedulerLookupClient", "scheduler_deployment", "check_rank0"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 
 #: Seconds between looks for rank 0's published prefixes while none was found yet.
-_RECHECK_S = 1.0
-
-
-def handshake_path(vllm_config: Any) -> str:
-    """Where rank 0 publishes its lookup key prefixes: beside its ZMQ lookup socket."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import get_zmq_rpc_path_lookup
-
-    return get_zmq_rpc_path_lookup(vllm_config).removeprefix("ipc://") + ".mooncake_keys.json"
-
-
-def publish(vllm_config: Any, prefixes: Sequence[Sequence[str]]) -> str:
-    """Rank 0: write its lookup key prefixes for the scheduler (atomically); returns the path."""
-    path = handshake_path(vllm_config)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"pid": os.getpid(), "prefixes": [list(p) for p in prefixes]}, f)
-    os.replace(tmp, path)
-    return path
-
-
-def _published(path: str) -> Optional[Any]:
-    """Rank 0's prefixes if its file is there and its writer alive, else None."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        os.kill(int(data["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return tuple(tuple(p) for p in data.get("prefixes", ()))
+RECHECK_S = 1.0
 
 
 def scheduler_deployment(sched: Any, vllm_config: Any, contract: str) -> Deployment:
@@ -84,52 +67,72 @@ def scheduler_deployment(sched: Any, vllm_config: Any, contract: str) -> Deploym
 
 class SchedulerLookupClient:
     """In place of vLLM's ``LookupKeyClient`` in the scheduler: lookups answered in-process once
-    rank 0's prefixes confirm the engine's, through ``zmq_client`` until then (and for
-    ``reset``, which rank 0 must run)."""
+    rank 0's keys and token are confirmed, through ``zmq_client`` until then (and for ``reset``,
+    which rank 0 must run). ``verify`` (e.g. :func:`check_rank0`: None when confirmed, else why
+    not) runs in a background thread until it confirms; None checks nothing and answers
+    in-process at once (for tests of the lookups alone)."""
 
-    def __init__(self, zmq_client: Any, engine: LookupEngine, store: Any, path: str) -> None:
+    def __init__(self, zmq_client: Any, engine: LookupEngine, store: Any, *,
+                 verify: Optional[Callable[[], Optional[str]]]) -> None:
         self.zmq = zmq_client
         self.engine = engine
         self.store = store
-        self.path = path
         self.verified = False
-        self._refused = False
-        self._next_check = 0.0
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-            MooncakeLookupResult,
-            TailKeyBoundary,
-        )
+        self._results = VllmResults(engine)
+        self._batcher: Optional[LookupBatcher] = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        if verify is None:
+            self.verified = True
+            return
+        self._thread = threading.Thread(target=self._verify_loop, args=(verify,), daemon=True,
+                                        name="mooncake_keys-handshake")
+        self._thread.start()
 
-        self._types = (MooncakeLookupResult, TailKeyBoundary)
-        self._check()
+    def _verify_loop(self, verify: Callable[[], Optional[str]]) -> None:
+        """Until rank 0 is confirmed (or refused): look every ``RECHECK_S`` seconds. The
+        scheduler's thread never runs this (reading a file, a ZMQ round trip)."""
+        reported = None
+        while not self._closed.is_set():
+            try:
+                problem = verify()
+            except Exception as exc:  # noqa: BLE001 - the check must never end the scheduler
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                self.verified = True
+                logger.info("mooncake_keys: lookups answered in the scheduler (rank 0's keys confirmed)")
+                return
+            if problem.startswith("refused:"):
+                log_once(logging.WARNING, "mooncake_keys: lookups stay on the ZMQ path to rank 0: %s", problem[8:])
+                return
+            if problem != reported:  # a reason why not yet, once each
+                logger.info("mooncake_keys: lookups take the ZMQ path to rank 0 for now: %s", problem)
+                reported = problem
+            self._closed.wait(RECHECK_S)
 
-    def _check(self) -> bool:
-        if self.verified or self._refused:
-            return self.verified
-        now = time.monotonic()
-        if now < self._next_check:
-            return False
-        self._next_check = now + _RECHECK_S
-        published = _published(self.path)
-        if published is None:
-            return False
-        if published != self.engine.prefixes:
-            self._refused = True
-            log_once(logging.WARNING, "mooncake_keys: the scheduler's lookup keys differ from rank 0's: "
-                     "lookups stay on the ZMQ path")
-            return False
-        self.verified = True
-        logger.info("mooncake_keys: lookups answered in the scheduler (rank 0's keys confirmed)")
-        return True
-
+    # ------------------------------------------------------------------ vLLM's client API
     def lookup(self, req_id: str, num_tokens: int, block_hashes: Any, non_block: bool = False) -> Any:
-        if not self._check():
+        if not self.verified:
             return self.zmq.lookup(req_id, num_tokens, block_hashes, non_block=non_block)
-        result_cls, boundary_cls = self._types
-        r = self.engine.lookup_result(num_tokens, block_hashes)
-        return result_cls(r.hit_length, tuple(boundary_cls(b.group_id, b.num_tokens) for b in r.tail_key_boundaries))
+        if not non_block:
+            return self._results(self.engine.lookup_result(num_tokens, block_hashes))
+        batcher = self._batcher or self._start_batcher()
+        result = batcher.poll(req_id)
+        if result is not None:
+            return self._results(result)
+        if not batcher.pending(req_id):
+            batcher.submit(req_id, num_tokens, list(block_hashes))  # vLLM's list may grow later
+        return None
+
+    def _start_batcher(self) -> LookupBatcher:
+        with self._lock:
+            if self._batcher is None:
+                self._batcher = LookupBatcher(self.engine, name="mooncake_keys-scheduler-lookups")
+            return self._batcher
 
     def discard(self, req_id: str) -> None:
+        if self._batcher is not None:
+            self._batcher.discard(req_id)
         self.zmq.discard(req_id)
 
     def reset(self) -> bool:
@@ -138,7 +141,10 @@ class SchedulerLookupClient:
         return ok
 
     def close(self) -> None:
+        self._closed.set()
         try:
+            if self._batcher is not None:
+                self._batcher.close()
             self.zmq.close()
         finally:
             close = getattr(self.store, "close", None)
@@ -147,3 +153,20 @@ class SchedulerLookupClient:
 
     def __getattr__(self, name: str) -> Any:  # anything else vLLM's client has
         return getattr(self.zmq, name)
+
+
+def check_rank0(path: str, vllm_config: Any, engine: LookupEngine) -> Optional[str]:
+    """None when rank 0 published this engine's very prefixes and answers its token; else why
+    not: ``"refused: ..."`` when it never will (the keys differ), else a reason to look again."""
+    published, problem = read_published(path)
+    if published is None:
+        return problem
+    token, prefixes = published
+    if prefixes != engine.prefixes:
+        return "refused: the scheduler's lookup keys differ from rank 0's"
+    answer = ask_rank0(vllm_config)
+    if answer is None:
+        return "rank 0 does not answer the handshake lookup"
+    if answer != token_answer(token):
+        return f"rank 0's handshake answer does not match {path} (a stale or foreign file)"
+    return None

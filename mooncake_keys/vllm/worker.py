@@ -3,26 +3,29 @@
 The worker keeps everything of vLLM's (store, threads, metrics, the ZMQ lookup server); only its
 ``lookup`` attribute is replaced, by one built from the worker's own state and checked against
 it (:mod:`.mapping`). The replacement answers with vLLM's own result types and values, asks
-through the worker's store, and records vLLM's ``lookup_exists`` metric for every call as the
-original does. By default it sends the very keys vLLM sends, in one ``batch_is_exist``
-(``strategy="oneshot"``); ``strategy="rounds"`` asks only the keys the answer needs (the same
-answer, several calls: :mod:`mooncake_keys.lookup.rounds`). A worker the engine cannot reproduce keeps vLLM's lookup, and the
-reason is logged once.
+through the worker's store, records vLLM's ``lookup_exists`` metric for every call as the
+original does, and a row per lookup for the drop-in's own metrics (:mod:`.metrics`). By
+default it asks only the keys the answer needs (``strategy="rounds"``: the same answer in a few
+calls, :mod:`mooncake_keys.lookup.rounds`); ``strategy="oneshot"`` sends the very keys vLLM
+sends, in one ``batch_is_exist``. A worker the engine cannot reproduce keeps vLLM's lookup,
+and the reason is logged once and reported in the metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
-from ..lookup.engine import STRATEGIES, LookupEngine
+from ..lookup.engine import STRATEGIES, LookupEngine, LookupResult
 from ..lookup.hashes import BlockHashes
 from ..lookup.deployment import Deployment
+from .handshake import is_handshake, token_answer
 from .mapping import Unsupported, check_against, deployment_of
+from .metrics import FALLBACK, add_row, fallback_row, recorder
 from .versions import contract_for_installed
 
-__all__ = ["accelerate_worker", "deployment_of_worker", "block_hashes_from_vllm"]
+__all__ = ["accelerate_worker", "deployment_of_worker", "block_hashes_from_vllm", "RecordedStore", "VllmResults"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 _LOGGED: set = set()
@@ -59,19 +62,22 @@ def deployment_of_worker(worker: Any, vllm_compat: str) -> Deployment:
     )
 
 
-class WorkerStore:
-    """The worker's current store, asked as vLLM's lookup asks it: every ``batch_is_exist`` is
-    timed and recorded as vLLM's ``lookup_exists`` operation; a raising call is recorded with
-    status ``error`` and re-raised (the engine then answers 0, with a log line)."""
+class RecordedStore:
+    """A store asked as vLLM's lookup asks its own: every ``batch_is_exist`` is timed and
+    recorded as vLLM's ``lookup_exists`` operation with ``record`` (vLLM's
+    ``_record_kv_connector_operation`` signature); a raising call is recorded with status
+    ``error`` and re-raised (the engine then answers 0, with a log line). ``store`` is the store
+    itself, or a function returning the current one (a worker's ``store`` may be replaced)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
+    def __init__(self, store: Any, record: Optional[Callable[..., None]]) -> None:
+        self._get = store if callable(store) and not hasattr(store, "batch_is_exist") else (lambda: store)
+        self.record = record
 
     def batch_is_exist(self, keys: Any) -> Any:
-        record = getattr(self.worker, "_record_kv_connector_operation", None)
+        record = self.record
         start = time.perf_counter()
         try:
-            results = self.worker.store.batch_is_exist(keys)
+            results = self._get().batch_is_exist(keys)
         except Exception:
             if record is not None:
                 record("lookup_exists", time.perf_counter() - start, len(keys), status="error",
@@ -80,6 +86,50 @@ class WorkerStore:
         if record is not None:
             record("lookup_exists", time.perf_counter() - start, len(keys))
         return results
+
+
+def worker_store(worker: Any) -> RecordedStore:
+    """The worker's current store, recorded in the worker's own stats."""
+    return RecordedStore(lambda: worker.store, getattr(worker, "_record_kv_connector_operation", None))
+
+
+def stats_appender(worker: Any) -> Callable[[str, Dict[str, Any]], None]:
+    """A function adding a row to the worker's connector stats (vLLM sends them on with every
+    step's output), under the worker's own lock."""
+    lock = getattr(worker, "_kv_connector_stats_lock", None)
+
+    def append(operation: str, row: Dict[str, Any]) -> None:
+        stats = getattr(worker, "kv_connector_stats", None)
+        if stats is None:
+            return
+        if lock is None:
+            add_row(stats.data, operation, row)
+            return
+        with lock:
+            add_row(worker.kv_connector_stats.data, operation, row)
+
+    return append
+
+
+class VllmResults:
+    """The installed release's lookup result types: a ``MooncakeLookupResult`` with
+    ``TailKeyBoundary`` objects from 0.29, a plain int before (the contract says which)."""
+
+    def __init__(self, engine: LookupEngine) -> None:
+        self._types = None
+        if engine.deployment.contract.tail_key_boundaries:  # the release answers a result object
+            from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+                MooncakeLookupResult,
+                TailKeyBoundary,
+            )
+
+            self._types = (MooncakeLookupResult, TailKeyBoundary)
+
+    def __call__(self, r: LookupResult) -> Any:
+        if self._types is None:
+            return r.hit_length
+        result_cls, boundary_cls = self._types
+        return result_cls(r.hit_length, tuple(boundary_cls(b.group_id, b.num_tokens) for b in r.tail_key_boundaries))
 
 
 def block_hashes_from_vllm(block_hashes: Any) -> Any:
@@ -96,39 +146,33 @@ def block_hashes_from_vllm(block_hashes: Any) -> Any:
 
 
 class FastLookup:
-    """A worker's ``lookup`` answered by a :class:`LookupEngine`, in vLLM's result types."""
+    """A worker's ``lookup`` answered by a :class:`LookupEngine`, in vLLM's result types. With
+    a ``handshake_token`` it also answers the scheduler's handshake lookup (:mod:`.handshake`)."""
 
     def __init__(self, engine: LookupEngine, original: Any) -> None:
         self.engine = engine
         #: vLLM's own lookup, kept for reference and comparison.
         self.original = original
-        self._types = None
-        if engine.deployment.contract.tail_key_boundaries:  # the release answers a result object
-            from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-                MooncakeLookupResult,
-                TailKeyBoundary,
-            )
-
-            self._types = (MooncakeLookupResult, TailKeyBoundary)
+        self.handshake_token: Optional[str] = None
+        self._results = VllmResults(engine)
 
     def __call__(self, num_tokens: int, block_hashes: Any) -> Any:
-        hashes = block_hashes_from_vllm(block_hashes)
-        if self._types is None:
-            return self.engine.lookup(num_tokens, hashes)
-        result_cls, boundary_cls = self._types
-        r = self.engine.lookup_result(num_tokens, hashes)
-        return result_cls(r.hit_length, tuple(boundary_cls(b.group_id, b.num_tokens) for b in r.tail_key_boundaries))
+        if self.handshake_token is not None and is_handshake(block_hashes):
+            return self._results(LookupResult(token_answer(self.handshake_token)))
+        if self._results._types is None:
+            return self.engine.lookup(num_tokens, block_hashes_from_vllm(block_hashes))
+        return self._results(self.engine.lookup_result(num_tokens, block_hashes_from_vllm(block_hashes)))
 
 
-def accelerate_worker(worker: Any, *, strategy: str = "oneshot") -> bool:
+def accelerate_worker(worker: Any, *, strategy: str = "rounds") -> bool:
     """Answer ``worker.lookup`` with mooncake_keys; True when it does.
 
     ``worker`` is vLLM's rank-0 ``MooncakeStoreWorker`` (any release 0.25-0.33). The new lookup
     gives vLLM's own results (an ``int`` before 0.29, a ``MooncakeLookupResult`` with
     ``TailKeyBoundary`` objects from 0.29) with identical values, asks ``worker.store`` and records vLLM's ``lookup_exists`` metric
-    per call. ``strategy`` is the engine's (see :class:`LookupEngine`): ``"oneshot"`` (default)
-    sends vLLM's very keys in one ``batch_is_exist``; ``"rounds"`` asks only the keys the answer
-    needs. A worker that cannot be reproduced (a capacity-only worker, an unsupported vLLM, a
+    per call. ``strategy`` is the engine's (see :class:`LookupEngine`): ``"rounds"`` (default)
+    asks only the keys the answer needs (the same answer; lookups of fewer than 2,048 keys ask
+    once); ``"oneshot"`` sends vLLM's very keys in one ``batch_is_exist``. A worker that cannot be reproduced (a capacity-only worker, an unsupported vLLM, a
     group kind with lookup rules of its own, ...) keeps vLLM's lookup: False, and one log line
     says why. Calling it again is harmless.
     """
@@ -140,20 +184,23 @@ def accelerate_worker(worker: Any, *, strategy: str = "oneshot") -> bool:
     if contract is None:
         from .versions import installed_version
 
-        log_once(logging.WARNING, "mooncake_keys: vLLM %s is not a supported release (0.25-0.33): "
-                 "keeping vLLM's own Mooncake lookup", installed_version())
+        reason = f"vLLM {installed_version()} is not a supported release (0.25-0.33)"
+        log_once(logging.WARNING, "mooncake_keys: %s: keeping vLLM's own Mooncake lookup", reason)
+        stats_appender(worker)(FALLBACK, fallback_row(reason))
         return False
     if getattr(worker, "_capacity_only", False) or getattr(worker, "coord", None) is None:
         log_once(logging.INFO, "mooncake_keys: capacity-only Mooncake worker (its lookup answers 0): "
                  "keeping vLLM's own lookup")
         return False
     try:
-        engine = LookupEngine.for_deployment(deployment_of_worker(worker, contract), store=WorkerStore(worker),
+        engine = LookupEngine.for_deployment(deployment_of_worker(worker, contract), store=worker_store(worker),
                                              strategy=strategy)
         check_against(engine, worker.coord, worker._lookup_key_prefixes)
     except (Unsupported, ValueError, TypeError) as exc:
         log_once(logging.WARNING, "mooncake_keys: keeping vLLM's own Mooncake lookup for this deployment: %s", exc)
+        stats_appender(worker)(FALLBACK, fallback_row(str(exc)))
         return False
+    engine.observer = recorder(stats_appender(worker), "worker")
     worker.lookup = FastLookup(engine, worker.lookup)
     logger.info("mooncake_keys: Mooncake lookups of this worker run in mooncake_keys (vLLM %s contract, %s core, "
                 "strategy %s)", contract, "compiled" if engine.deployment.core.__name__.endswith("_c") else "pure Python",

@@ -68,7 +68,7 @@ def test_accelerated_worker_answers_as_vllm(batch):
             original = worker.lookup
             # One-shot: vLLM's very keys in one call each, and its very metric records.
             worker.kv_connector_stats.reset()
-            assert mv.accelerate_worker(worker), cfg  # every generated deployment is expressible
+            assert mv.accelerate_worker(worker, strategy="oneshot"), cfg  # every generated deployment is expressible
             assert isinstance(worker.lookup, FastLookup)
             got = answers(worker, requests, ours)
             for w, g, t, o, p in zip(want, got, theirs, ours, plans):
@@ -197,7 +197,11 @@ def test_the_lookup_strategy_comes_from_the_connector_config():
             "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
     default = vllm_workers.build_worker(base, mk.RecordingStore(1))
     rounds = vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "rounds"}}, mk.RecordingStore(1))
-    assert default.lookup.engine.strategy == "oneshot" and rounds.lookup.engine.strategy == "rounds"
+    oneshot = vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "oneshot"}}, mk.RecordingStore(1))
+    assert oneshot.lookup.engine.strategy == "oneshot"
+    vllm_workers.release(oneshot)
+    assert default.lookup.engine.strategy == "rounds"  # asks least, with vLLM's answers
+    assert rounds.lookup.engine.strategy == "rounds"
     vllm_workers.release(default)
     vllm_workers.release(rounds)
     with pytest.raises(ValueError, match="lookup_strategy.*must be one of"):

@@ -1,12 +1,16 @@
-"""The lookup in the scheduler (vLLM 0.33): the scheduler-side FastMooncakeStoreConnector answers
-in-process through its own lookup-only Mooncake client, and gives the answers rank 0 gives over
-vLLM's ZMQ channel; on a real mooncake_master."""
+"""The lookup in the scheduler (vLLM 0.32, 0.33): the scheduler-side FastMooncakeStoreConnector
+answers in-process through its own lookup-only Mooncake client, with the answers rank 0 gives
+over vLLM's ZMQ channel, on a real mooncake_master; synchronously, or asynchronously with the
+lookups pending together asked together; only once rank 0's handshake confirms it, whatever
+lies at the handshake path."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import time
 
 import pytest
 
@@ -16,6 +20,8 @@ import mooncake_keys.vllm as mv  # noqa: E402
 from mooncake_keys.bench import vllm_workers  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore  # noqa: E402
+from mooncake_keys.vllm import handshake  # noqa: E402
+from mooncake_keys.vllm.metrics import LOOKUP  # noqa: E402
 from mooncake_keys.vllm.scheduler import SchedulerLookupClient  # noqa: E402
 
 vllm_workers.quiet(logging.CRITICAL)
@@ -51,38 +57,119 @@ def deployment(master, tmp_path, monkeypatch):
         holder.close()
 
 
+def wait_verified(client, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not client.verified and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return client.verified
+
+
+def scheduler_client():
+    connector = vllm_workers.build_scheduler_connector(CFG)
+    return connector, connector.connector_scheduler.client
+
+
+def store_prefix(holder, engine, hashes, tokens):
+    for k in engine.candidate_keys(tokens, hashes) if tokens else []:
+        holder.put(k, b"kv")
+
+
 def test_scheduler_answers_as_rank_0_does(deployment):
     holder, worker = deployment
     assert isinstance(worker.lookup, mv.worker.FastLookup)  # rank 0, accelerated
-    connector = vllm_workers.build_scheduler_connector(CFG)
-    sched = connector.connector_scheduler
+    connector, client = scheduler_client()
     try:
-        assert isinstance(sched.client, SchedulerLookupClient) and sched.client.verified
+        assert isinstance(client, SchedulerLookupClient) and wait_verified(client)
         engine = worker.lookup.engine
         rng = random.Random(3)
         asked = 0
         for i in range(40):
             n = rng.randint(1, 24)
             hashes = [rng.randbytes(32) for _ in range(n)]
-            stored = rng.randint(0, n) * 16
-            for k in engine.candidate_keys(max(stored, 16) if stored else 0, hashes) if stored else []:
-                holder.put(k, b"kv")
+            store_prefix(holder, engine, hashes, rng.randint(0, n) * 16)
             num_tokens = n * 16 + rng.choice([0, 1, 7])
-            in_process = sched.client.lookup(f"r{i}", num_tokens, hashes)
-            over_zmq = sched.client.zmq.lookup(f"z{i}", num_tokens, hashes)
+            in_process = client.lookup(f"r{i}", num_tokens, hashes)
+            over_zmq = client.zmq.lookup(f"z{i}", num_tokens, hashes)
             vllm_own = worker.lookup.original(num_tokens, hashes)
             assert in_process == over_zmq == vllm_own, (i, in_process, over_zmq, vllm_own)
             asked += bool(in_process.hit_length)
         assert asked >= 10
+        # What the scheduler answered reaches vLLM's metrics: a row per lookup, and vLLM's own
+        # lookup_exists row per store call.
+        stats = connector.get_kv_connector_stats()
+        rows = stats.data[LOOKUP]
+        assert len(rows) == 40 and {r["side"] for r in rows} == {"scheduler"}
+        assert sum(r["hit_tokens"] > 0 for r in rows) == asked
+        assert len(stats.data["lookup_exists"]) == sum(r["calls"] for r in rows)
+        assert stats.reduce()["mooncake_keys_lookups"] == 40
+        assert connector.get_kv_connector_stats() is None  # read once
     finally:
-        sched.client.close()
+        client.close()
+
+
+def test_async_lookups_wait_for_nothing_and_ask_together(deployment):
+    """non_block=True: None until decided, the scheduler's thread never waits on the master;
+    requests pending together share their calls, a key they share is asked once; each answer
+    is rank 0's."""
+    holder, worker = deployment
+    connector, client = scheduler_client()
+    try:
+        assert wait_verified(client)
+        engine = worker.lookup.engine
+        rng = random.Random(5)
+        system = [rng.randbytes(32) for _ in range(48)]
+        store_prefix(holder, engine, system, 48 * 16)
+        requests = {f"a{i}": system + [rng.randbytes(32) for _ in range(rng.randint(0, 16))] for i in range(24)}
+        answers, slowest = {}, 0.0
+        deadline = time.monotonic() + 20
+        while len(answers) < len(requests) and time.monotonic() < deadline:
+            for rid, hashes in requests.items():
+                if rid in answers:
+                    continue
+                t0 = time.perf_counter()
+                got = client.lookup(rid, len(hashes) * 16, hashes, non_block=True)
+                slowest = max(slowest, time.perf_counter() - t0)
+                if got is not None:
+                    answers[rid] = got
+            time.sleep(0.001)
+        assert len(answers) == len(requests)
+        for rid, hashes in requests.items():
+            assert answers[rid] == worker.lookup.original(len(hashes) * 16, hashes), rid
+        batcher = client._batcher
+        assert batcher.stats.answered == len(requests)
+        rounds = client.engine.stats().store_calls  # each lookup's calls, shared or not
+        assert batcher.stats.calls < rounds  # shared calls
+        assert batcher.stats.keys_asked < batcher.stats.keys_wanted  # shared keys asked once
+        assert slowest < 0.05, slowest  # never a store call in the scheduler's thread
+    finally:
+        client.close()
+
+
+def test_a_lookup_discarded_while_pending_asks_nothing_more(deployment):
+    holder, worker = deployment
+    connector, client = scheduler_client()
+    try:
+        assert wait_verified(client)
+        hashes = [bytes([i]) * 32 for i in range(8)]
+        assert client.lookup("gone", 128, hashes, non_block=True) is None or True
+        client.discard("gone")
+        time.sleep(0.2)
+        assert client._batcher.poll("gone") is None and not client._batcher.pending("gone")
+        # A new lookup of the same request id is a new lookup.
+        deadline = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = client.lookup("gone", 128, hashes, non_block=True)
+            time.sleep(0.005)
+        assert got == worker.lookup.original(128, hashes)
+    finally:
+        client.close()
 
 
 def test_without_a_store_config_the_zmq_path_stays(deployment, monkeypatch, caplog):
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH")
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
-        connector = vllm_workers.build_scheduler_connector(CFG)
-    client = connector.connector_scheduler.client
+        connector, client = scheduler_client()
     try:
         assert not isinstance(client, SchedulerLookupClient)
         assert any("lookups stay on the ZMQ path" in r.getMessage() for r in caplog.records)
@@ -93,23 +180,129 @@ def test_without_a_store_config_the_zmq_path_stays(deployment, monkeypatch, capl
         client.close()
 
 
-def test_keys_that_differ_from_rank_0s_keep_the_zmq_path(deployment, tmp_path):
-    """The scheduler answers only once rank 0's published prefixes confirm its own."""
-    _, worker = deployment
-    connector = vllm_workers.build_scheduler_connector(CFG)
-    client = connector.connector_scheduler.client
+# ---------------------------------------------------------------------- the handshake
+def rewrite(path, content, *, mode=0o600):
+    """Replace the file at ``path`` the way an attacker or a stale deployment might."""
     try:
-        path = client.path
-        good = open(path).read()
-        data = json.loads(good)
-        data["prefixes"][0][0] = "someone-else@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
-        with open(path, "w") as f:
-            json.dump(data, f)
-        other = SchedulerLookupClient(client.zmq, client.engine, client.store, path)
-        assert not other.verified
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    if isinstance(content, bytes):
+        with open(path, "wb") as f:
+            f.write(content)
+        os.chmod(path, mode)
+
+
+def unverified_for_a_while(client, seconds=1.5):
+    time.sleep(seconds)
+    return not client.verified
+
+
+@pytest.mark.parametrize("content", [
+    b'{"token": "0123456789abcdef0123456789abcdef", "prefixes": 5}',
+    b'{"token": 5, "prefixes": [["a"]]}',
+    b'{"prefixes": [["m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"]]}',
+    b"[1, 2, 3]",
+    b"\xff\xfe not utf-8",
+    b"[" * 100000,
+    b'{"token": "0123456789abcdef0123456789abcdef", "prefixes": [[1, 2]]}',
+], ids=["prefixes-int", "token-int", "no-token", "a-list", "not-utf8", "deep", "prefixes-of-ints"])
+def test_any_content_of_the_file_keeps_the_zmq_path_working(deployment, content):
+    _, worker = deployment
+    path = handshake.handshake_path(vllm_workers.build_configs(CFG)[0])
+    rewrite(path, content)
+    connector, client = scheduler_client()  # builds: no exception while the connector starts
+    try:
+        assert unverified_for_a_while(client)
         hashes = [bytes([i]) * 32 for i in range(4)]
-        assert other.lookup("r", 64, hashes) == worker.lookup(64, hashes)  # answered over ZMQ
-        with open(path, "w") as f:
-            f.write(good)
+        assert client.lookup("r", 64, hashes) == worker.lookup(64, hashes)  # over ZMQ
     finally:
         client.close()
+
+
+def test_a_fifo_device_or_link_at_the_path_is_never_waited_on(deployment, tmp_path):
+    _, worker = deployment
+    path = handshake.handshake_path(vllm_workers.build_configs(CFG)[0])
+    for make in (lambda: os.mkfifo(path), lambda: os.symlink("/dev/zero", path),
+                 lambda: os.symlink(str(tmp_path / "elsewhere.json"), path)):
+        rewrite(path, None)
+        make()
+        t0 = time.monotonic()
+        connector, client = scheduler_client()
+        try:
+            assert time.monotonic() - t0 < 30 and unverified_for_a_while(client, 1.0)
+            problem, why = handshake.read_published(path)
+            assert problem is None and why  # a reason, never a wait or an exception
+        finally:
+            client.close()
+
+
+def test_a_stale_file_of_another_rank_0_is_not_trusted(deployment):
+    """The prefixes match, but the token is not the one the live rank 0 answers."""
+    _, worker = deployment
+    path = handshake.handshake_path(vllm_workers.build_configs(CFG)[0])
+    data = json.loads(open(path).read())
+    data["token"] = handshake.new_token()
+    rewrite(path, json.dumps(data).encode())
+    connector, client = scheduler_client()
+    try:
+        assert unverified_for_a_while(client)
+        # Rank 0 publishing again (a restart) lets it through.
+        token = handshake.new_token()
+        handshake.publish(vllm_workers.build_configs(CFG)[0], worker.lookup.engine.prefixes, token)
+        worker.lookup.handshake_token = token
+        assert wait_verified(client)
+    finally:
+        client.close()
+
+
+def test_a_file_or_folder_others_can_write_is_not_trusted(deployment):
+    _, worker = deployment
+    config = vllm_workers.build_configs(CFG)[0]
+    path = handshake.handshake_path(config)
+    folder = os.path.dirname(path)
+    good = open(path, "rb").read()
+    try:
+        os.chown(path, 12345, 12345)  # another user's file
+        assert "another user" in handshake.read_published(path)[1]
+        os.chown(path, os.getuid(), os.getgid())
+        os.chmod(folder, 0o777)  # a folder anyone can write
+        assert "writable by others" in handshake.read_published(path)[1]
+        with pytest.raises(OSError, match="writable by others"):
+            handshake.publish(config, worker.lookup.engine.prefixes, handshake.new_token())
+    finally:
+        os.chmod(folder, 0o700)
+        rewrite(path, good)
+
+
+def test_rank_0_writes_its_file_without_following_links(deployment, tmp_path):
+    _, worker = deployment
+    config = vllm_workers.build_configs(CFG)[0]
+    path = handshake.handshake_path(config)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    rewrite(path, None)
+    os.symlink(str(victim), path)  # a link planted where the file goes
+    token = handshake.new_token()
+    handshake.publish(config, worker.lookup.engine.prefixes, token)
+    assert victim.read_text() == "keep me"  # the link was replaced, its target untouched
+    assert not os.path.islink(path) and os.stat(path).st_mode & 0o777 == 0o600
+    assert handshake.read_published(path)[0][0] == token
+
+
+def test_keys_that_differ_from_rank_0s_keep_the_zmq_path(deployment, caplog):
+    """The scheduler answers only once rank 0's published prefixes confirm its own."""
+    _, worker = deployment
+    path = handshake.handshake_path(vllm_workers.build_configs(CFG)[0])
+    data = json.loads(open(path).read())
+    data["prefixes"][0][0] = "someone-else@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
+    rewrite(path, json.dumps(data).encode())
+    with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
+        connector, client = scheduler_client()
+        try:
+            assert unverified_for_a_while(client)
+            hashes = [bytes([i]) * 32 for i in range(4)]
+            assert client.lookup("r", 64, hashes) == worker.lookup(64, hashes)  # answered over ZMQ
+        finally:
+            client.close()
+    assert any("keys differ from rank 0's" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,165 @@
+"""The drop-in's metrics, through vLLM's own KV-connector metrics: on vLLM's ``/metrics`` and in
+its "KV Transfer metrics" log line.
+
+vLLM's Mooncake store connector records one row per store operation in a
+``MooncakeStoreConnectorStats`` (``data[operation] -> [record, ...]``); vLLM carries the rows
+from the workers (and the scheduler) to its front end, rebuilds them with the connector class's
+``build_kv_connector_stats`` and hands them to ``build_prom_metrics``'s ``observe``. The drop-in
+adds its own rows under :data:`LOOKUP` (one per lookup mooncake_keys answered, on rank 0's
+worker or in the scheduler) and :data:`FALLBACK` (one per reason vLLM's own lookup was kept),
+and its classes (:class:`ConnectorStats`, :class:`PromMetrics`) read them beside vLLM's own.
+
+Metrics, each with vLLM's ``model_name``/``engine`` labels (sizes in tokens and keys):
+
+* ``vllm:mooncake_keys_lookups_total{outcome, side}``: lookups answered, by outcome (``hit``,
+  ``miss``, ``fault``: a store call failed and the lookup answered 0) and where (``worker``:
+  rank 0, asked over vLLM's ZMQ channel; ``scheduler``: in the scheduler);
+* ``vllm:mooncake_keys_lookup_tokens_total{side}`` and ``..._hit_tokens_total{side}``: the
+  tokens asked and hit (their ratio is the hit rate vLLM reports for those lookups);
+* ``vllm:mooncake_keys_lookup_keys_total{side}``, ``..._calls_total{side}`` and
+  ``..._present_keys_total{side}``: keys asked, store calls (rounds), keys found present (on
+  Mooncake each took a read lease);
+* ``vllm:mooncake_keys_lookup_seconds{side}``: lookup latency (histogram);
+* ``vllm:mooncake_keys_store_unavailable_seconds_total{side}``: time the store could not be asked;
+* ``vllm:mooncake_keys_fallback_info{reason}``: 1 for each reason vLLM's own lookup was kept.
+
+The rows travel as plain dicts of numbers and strings (vLLM serializes them between processes);
+a lookup row also has the fields of vLLM's own rows, so vLLM's classes read it without failing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import (
+    MooncakeStoreConnectorStats,
+    MooncakeStorePromMetrics,
+)
+
+from ..lookup.engine import LookupRecord
+
+__all__ = ["LOOKUP", "FALLBACK", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "fallback_row",
+           "recorder"]
+
+#: The stats key of the drop-in's lookup rows, and of its fallback rows.
+LOOKUP = "mooncake_keys_lookup"
+FALLBACK = "mooncake_keys_fallback"
+OURS = (LOOKUP, FALLBACK)
+
+#: The most rows of one kind kept between two reads of the stats: vLLM reads them every step,
+#: but an engine that never asks (stats off) must not grow without bound; past it, rows drop.
+MAX_ROWS = 100_000
+
+#: Lookup latency buckets (seconds): loopback lookups take 0.1-30 ms.
+LATENCY_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+
+def lookup_row(rec: LookupRecord, side: str) -> Dict[str, Any]:
+    """The stats row of one lookup (``side``: "worker" or "scheduler")."""
+    return {
+        # vLLM's own row fields (so MooncakeStoreConnectorStats.reduce reads it)
+        "duration_seconds": rec.seconds, "num_keys": rec.keys, "num_bytes": 0,
+        "status": "error" if rec.outcome == "fault" else "ok",
+        "num_failed_keys": rec.keys if rec.outcome == "fault" else 0,
+        # the drop-in's
+        "side": side, "outcome": rec.outcome, "num_tokens": rec.num_tokens, "hit_tokens": rec.hit_tokens,
+        "calls": rec.calls, "present_keys": rec.present_keys, "unavailable_seconds": rec.unavailable_seconds,
+    }
+
+
+def fallback_row(reason: str) -> Dict[str, Any]:
+    """The stats row saying vLLM's own lookup was kept, and why (one line of text)."""
+    return {"duration_seconds": 0.0, "num_keys": 0, "num_bytes": 0, "status": "ok", "num_failed_keys": 0,
+            "reason": reason[:200]}
+
+
+def add_row(data: Dict[str, List[Dict[str, Any]]], operation: str, row: Dict[str, Any]) -> None:
+    """Append ``row`` to ``data[operation]``, unless :data:`MAX_ROWS` rows wait there already."""
+    rows = data.setdefault(operation, [])
+    if len(rows) < MAX_ROWS:
+        rows.append(row)
+
+
+def recorder(append: Callable[[str, Dict[str, Any]], None], side: str) -> Callable[[LookupRecord], None]:
+    """An engine observer appending each lookup's row with ``append(LOOKUP, row)``."""
+    def observe(rec: LookupRecord) -> None:
+        append(LOOKUP, lookup_row(rec, side))
+
+    return observe
+
+
+class ConnectorStats(MooncakeStoreConnectorStats):
+    """vLLM's Mooncake stats with the drop-in's rows: its summary for vLLM's log line reads
+    them apart (lookups, hit rate, keys and calls per lookup, leases) from vLLM's operations."""
+
+    def reduce(self) -> Dict[str, Any]:
+        ours = {k: self.data.pop(k) for k in OURS if k in self.data}
+        try:
+            reduced: Dict[str, Any] = super().reduce()
+        finally:
+            self.data.update(ours)
+        rows: List[Dict[str, Any]] = ours.get(LOOKUP, [])
+        if rows:
+            n = len(rows)
+            tokens = sum(int(r["num_tokens"]) for r in rows)
+            reduced.update({
+                "mooncake_keys_lookups": n,
+                "mooncake_keys_hit_rate": round(sum(int(r["hit_tokens"]) for r in rows) / tokens, 4) if tokens else 0.0,
+                "mooncake_keys_keys_per_lookup": round(sum(int(r["num_keys"]) for r in rows) / n, 1),
+                "mooncake_keys_calls_per_lookup": round(sum(int(r["calls"]) for r in rows) / n, 2),
+                "mooncake_keys_present_keys": sum(int(r["present_keys"]) for r in rows),
+                "mooncake_keys_faults": sum(1 for r in rows if r["outcome"] == "fault"),
+            })
+        for r in ours.get(FALLBACK, []):
+            reduced[f"mooncake_keys_fallback: {r['reason']}"] = 1
+        return reduced
+
+
+class PromMetrics(MooncakeStorePromMetrics):
+    """vLLM's Mooncake Prometheus metrics, and the drop-in's (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: List[str],
+                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        side = labelnames + ["side"]
+        counter, histogram, gauge = self._counter_cls, self._histogram_cls, self._gauge_cls
+        self._lookups = counter(name="vllm:mooncake_keys_lookups_total", labelnames=labelnames + ["outcome", "side"],
+                                documentation="Lookups answered by mooncake_keys, by outcome (hit, miss, fault).")
+        self._tokens = counter(name="vllm:mooncake_keys_lookup_tokens_total", labelnames=side,
+                               documentation="Tokens asked by mooncake_keys lookups.")
+        self._hit_tokens = counter(name="vllm:mooncake_keys_lookup_hit_tokens_total", labelnames=side,
+                                   documentation="Tokens hit by mooncake_keys lookups.")
+        self._keys = counter(name="vllm:mooncake_keys_lookup_keys_total", labelnames=side,
+                             documentation="Keys asked of the store by mooncake_keys lookups.")
+        self._calls = counter(name="vllm:mooncake_keys_lookup_calls_total", labelnames=side,
+                              documentation="Store calls (rounds) made by mooncake_keys lookups.")
+        self._present = counter(name="vllm:mooncake_keys_lookup_present_keys_total", labelnames=side,
+                                documentation="Keys found present by mooncake_keys lookups (read leases taken).")
+        self._unavailable = counter(name="vllm:mooncake_keys_store_unavailable_seconds_total", labelnames=side,
+                                    documentation="Seconds the store could not be asked by mooncake_keys lookups.")
+        self._latency = histogram(name="vllm:mooncake_keys_lookup_seconds", labelnames=side, buckets=LATENCY_BUCKETS,
+                                  documentation="Latency of mooncake_keys lookups.")
+        self._fallback = gauge(name="vllm:mooncake_keys_fallback_info", labelnames=labelnames + ["reason"],
+                               documentation="1 for each reason vLLM's own Mooncake lookup was kept.",
+                               multiprocess_mode="mostrecent")
+
+    def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
+        if not transfer_stats_data:
+            return
+        data = dict(transfer_stats_data)
+        ours = {k: data.pop(k) for k in OURS if k in data}
+        super().observe(data, engine_idx)
+        labels = list(self.per_engine_labelvalues[engine_idx])
+        for r in ours.get(LOOKUP, []):
+            side = labels + [str(r["side"])]
+            self._lookups.labels(*labels, str(r["outcome"]), str(r["side"])).inc()
+            self._tokens.labels(*side).inc(int(r["num_tokens"]))
+            self._hit_tokens.labels(*side).inc(int(r["hit_tokens"]))
+            self._keys.labels(*side).inc(int(r["num_keys"]))
+            self._calls.labels(*side).inc(int(r["calls"]))
+            self._present.labels(*side).inc(int(r["present_keys"]))
+            if float(r["unavailable_seconds"]) > 0:
+                self._unavailable.labels(*side).inc(float(r["unavailable_seconds"]))
+            self._latency.labels(*side).observe(float(r["duration_seconds"]))
+        for r in ours.get(FALLBACK, []):
+            self._fallback.labels(*labels, str(r["reason"])).set(1)
