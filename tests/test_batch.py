@@ -1,0 +1,120 @@
+"""Lookups run together (mooncake_keys.lookup.batch): each answer exactly its own lookup's, the
+store asked once per round for all of them, each key once; discarded lookups ask nothing more;
+a failed call answers 0 for every lookup in it."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+import mooncake_keys as mk
+from mooncake_keys.lookup.batch import LookupBatcher
+
+F, S, M = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.MambaSpec
+
+
+def answers_of(batcher, names, seconds=20.0):
+    out, deadline = {}, time.monotonic() + seconds
+    while len(out) < len(names) and time.monotonic() < deadline:
+        for n in names:
+            if n not in out:
+                r = batcher.poll(n)
+                if r is not None:
+                    out[n] = r
+        time.sleep(0.001)
+    return out
+
+
+class SlowStore(mk.RecordingStore):
+    """Answers after a pause, so that lookups submitted meanwhile pile up for the next call."""
+
+    def batch_is_exist(self, keys):
+        time.sleep(0.01)
+        return super().batch_is_exist(keys)
+
+
+@pytest.mark.parametrize("groups", [[F(16)], [F(16), S(16, 64)], [F(32), M(32)]], ids=["full", "swa", "mamba"])
+def test_every_answer_is_its_own_lookups_and_shared_keys_are_asked_once(impl, groups):
+    rng = random.Random(len(groups))
+    layout = mk.ParallelLayout(tp_size=4, num_kv_heads=4)
+    builder = mk.LookupEngine("m", groups, layout, hash_block_size=16, store=mk.RecordingStore())
+    system = [rng.randbytes(32) for _ in range(128)]
+    requests = {f"r{i}": system[: rng.randint(0, 128)] + [rng.randbytes(32) for _ in range(rng.randint(0, 64))]
+                for i in range(40)}
+    stored = set(builder.candidate_keys(128 * 16, system))
+    stored |= {k for k in builder.candidate_keys(192 * 16, requests["r1"]) if rng.random() < 0.9}
+    store = SlowStore(present=stored)
+    batcher = LookupBatcher(mk.LookupEngine("m", groups, layout, hash_block_size=16, store=store))
+    try:
+        for name, hashes in requests.items():
+            batcher.submit(name, len(hashes) * 16 + 5, hashes)
+        got = answers_of(batcher, list(requests))
+        solo = mk.LookupEngine("m", groups, layout, hash_block_size=16, store=mk.RecordingStore(present=stored))
+        for name, hashes in requests.items():
+            assert got[name] == solo.lookup_result(len(hashes) * 16 + 5, hashes), name
+        assert sum(r.hit_length > 0 for r in got.values()) > 10
+        assert store.num_calls == batcher.stats.calls < len(requests)  # rounds shared by many lookups
+        for keys in store.calls:
+            assert len(keys) == len(set(keys))  # each key once per call
+        assert batcher.stats.keys_asked < batcher.stats.keys_wanted
+    finally:
+        batcher.close()
+
+
+def test_a_failed_call_answers_zero_for_each_lookup_in_it(caplog):
+    store = mk.RecordingStore(1, fault=ConnectionError("master gone"))
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=store))
+    try:
+        names = [f"r{i}" for i in range(8)]
+        for n in names:
+            batcher.submit(n, 64, [bytes([i]) * 16 for i in range(4)])
+        got = answers_of(batcher, names)
+        assert all(r == mk.LookupResult(0, ()) for r in got.values()) and len(got) == 8
+        assert "master gone" in caplog.text
+    finally:
+        batcher.close()
+
+
+def test_a_discarded_lookup_asks_nothing_more():
+    release = threading.Event()
+
+    class Gate(mk.RecordingStore):
+        def batch_is_exist(self, keys):
+            release.wait(5)
+            return super().batch_is_exist(keys)
+
+    store = Gate(1)
+    engine = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=8, num_kv_heads=8), hash_block_size=16,
+                             store=store)
+    batcher = LookupBatcher(engine)
+    try:
+        hashes = [bytes([i % 256, i // 256]) * 16 for i in range(600)]
+        batcher.submit("a", 600 * 16, hashes)  # asks in rounds: a first call, then more
+        time.sleep(0.05)
+        batcher.discard("a")  # while its first call is in flight
+        release.set()
+        time.sleep(0.2)
+        assert store.num_calls == 1 and batcher.poll("a") is None and not batcher.pending("a")
+        assert batcher.stats.discarded == 1
+    finally:
+        batcher.close()
+
+
+def test_bad_arguments_answer_zero_with_a_log_line(caplog):
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16,
+                                            store=mk.RecordingStore(1)))
+    try:
+        batcher.submit("bad", "many", [b"x" * 16])
+        batcher.submit("odd", 64, [b"x" * 16, b"y" * 8])
+        got = answers_of(batcher, ["bad", "odd"])
+        assert got == {"bad": mk.LookupResult(0, ()), "odd": mk.LookupResult(0, ())}
+        assert "num_tokens" in caplog.text
+    finally:
+        batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit("late", 64, [b"x" * 16])
+    with pytest.raises(TypeError, match="engine must be a LookupEngine"):
+        LookupBatcher(object())
