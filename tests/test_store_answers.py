@@ -95,3 +95,27 @@ def test_error_codes_that_end_the_hit_get_one_line(impl, caplog):
     with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
         assert e.lookup(128, HS) == 16
     assert not [r for r in caplog.records if r.name.startswith("mooncake_keys")]
+
+
+def test_an_error_code_that_ends_the_hit_is_a_fault_and_the_store_unavailable(impl):
+    """Mooncake answers -900 for every key when its master cannot be reached: the hit up to the
+    first absent chunk stands, but the lookup's record says fault and the unavailable clock
+    runs until a call is answered without a code."""
+    import time
+
+    layout = mk.ParallelLayout(tp_size=2, num_kv_heads=2)
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    records = []
+    e = mk.LookupEngine("m", [mk.FullAttentionSpec(16)], layout, hash_block_size=16, strategy="oneshot",
+                        store=mk.RecordingStore(lambda keys: [1] * 4 + [-900] * (len(keys) - 4)))
+    e.observer = records.append
+    assert e.lookup(128, hashes) == 32  # chunks 0 and 1 present in both namespaces
+    assert records[-1].outcome == "fault" and e.stats().store_failures == 0
+    time.sleep(0.01)
+    assert e.stats().unavailable_seconds > 0
+    e.store = mk.RecordingStore(lambda keys: [1] * 6 + [0] * (len(keys) - 6))  # answered again
+    assert e.lookup(128, hashes) == 48 and records[-1].outcome == "hit"
+    assert records[-1].unavailable_seconds > 0  # the down time, counted once, in the next record
+    frozen = e.stats().unavailable_seconds
+    time.sleep(0.01)
+    assert e.stats().unavailable_seconds == frozen

@@ -99,7 +99,8 @@ class LookupRecord:
     keys: int
     calls: int
     present_keys: int
-    #: "hit", "miss" or "fault" (a store call failed: the lookup answered 0).
+    #: "hit", "miss" or "fault" (a store call failed and the lookup answered 0, or an error
+    #: code, such as Mooncake's -900 for a master it cannot reach, ended the hit).
     outcome: str
     seconds: float
     #: Seconds the store has been unavailable since the last record (summed over records,
@@ -272,24 +273,33 @@ class LookupEngine(DeploymentViews):
 
     def _failed(self, message: str, *args: Any) -> None:
         logger.warning("lookup answered 0: " + message, *args)
+        self._mark_down()
+        return None
+
+    def _mark_down(self) -> None:
+        """The store is unavailable from now (unless it was already)."""
         if self._down_since is None:
             with self._stats_lock:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
-        return None
 
-    @staticmethod
-    def _log_error_codes(answers: list, n: int) -> None:
-        """One warning line when ``answers`` (a chunk's, one per namespace) hold an error code."""
+    def _error_codes(self, answers: list, n: int) -> bool:
+        """Whether ``answers`` (the first absent chunk's, one per namespace) hold an error code:
+        then one warning line, and the store counts as unavailable from now (a master that
+        cannot answer answers every key -900) until a call is answered without one."""
         codes = sorted({x for x in answers if type(x) is int and x < 0})
-        if codes:
-            logger.warning("lookup: batch_is_exist answered error code %s for %d keys (counted "
-                           "absent; -900: the master is unreachable)", codes, n)
+        if not codes:
+            return False
+        logger.warning("lookup: batch_is_exist answered error code %s for %d keys (counted "
+                       "absent; -900: the master is unreachable)", codes, n)
+        self._mark_down()
+        return True
 
-    def _read(self, results: list, pieces: Sequence[Tuple[int, int]]) -> Optional[Tuple[List[Any], int]]:
+    def _read(self, results: list, pieces: Sequence[Tuple[int, int]]) -> Optional[Tuple[List[Any], int, bool]]:
         """Per piece ``(chunks, namespaces)`` of a call, in key order, one flag per chunk (1 when
-        every namespace answered exactly 1), and how many answers were exactly 1 (keys found
-        present). None (logged) when the answers cannot be read.
+        every namespace answered exactly 1), how many answers were exactly 1 (keys found
+        present), and whether an error code is why the first absent chunk is absent. None
+        (logged) when the answers cannot be read.
 
         Error codes (Mooncake's negative ``ErrorCode``, -900 when its master is unreachable)
         count as absent, as in vLLM; when they are why the first absent chunk is absent, one
@@ -302,23 +312,22 @@ class LookupEngine(DeploymentViews):
                 r = pieces[0][1]
                 flags, present = dep.reduce(results, r)
                 first = flags.find(0)
-                if first >= 0:
-                    self._log_error_codes(results[first * r:(first + 1) * r], len(results))
-                return [flags], present
+                codes = first >= 0 and self._error_codes(results[first * r:(first + 1) * r], len(results))
+                return [flags], present, codes
             out, off, present = [], 0, 0
             for n, r in pieces:
                 f, p = dep.reduce(results[off:off + n * r], r) if n else (b"", 0)
                 out.append(f)
                 present += p
                 off += n * r
-            off = 0
+            off, codes = 0, False
             for (n, r), f in zip(pieces, out):
                 first = f.find(0)
                 if first >= 0:  # the first absent chunk of the call: an error code?
-                    self._log_error_codes(results[off + first * r:off + (first + 1) * r], len(results))
+                    codes = self._error_codes(results[off + first * r:off + (first + 1) * r], len(results))
                     break
                 off += n * r
-            return out, present
+            return out, present, codes
         except Exception as exc:  # an answer the core cannot read
             logger.warning("lookup answered 0: the answer of batch_is_exist could not be read: %s: %s",
                            type(exc).__name__, exc)
@@ -406,12 +415,12 @@ class LookupEngine(DeploymentViews):
     def _begin(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any, rounds_min_keys: Optional[int] = None
                ) -> Tuple[float, List[int], Optional[Prepared], Optional[str]]:
         """A lookup's start: its clock, its tally (tokens asked, keys, calls, present keys,
-        failed calls), its length, hashes and plan, and how it asks: ``ONESHOT``, ``ROUNDS`` or
+        failed calls, whether an error code ended the hit), its length, hashes and plan, and how it asks: ``ONESHOT``, ``ROUNDS`` or
         None (nothing to ask and nothing presumed: no hit, as vLLM answers with no candidates)."""
         start = time.perf_counter()
         num_tokens = int_arg("num_tokens", num_tokens)
         prepared = self._prepare(num_tokens, block_hashes, skip_tokens)
-        tally = [num_tokens, 0, 0, 0, 0]
+        tally = [num_tokens, 0, 0, 0, 0, False]
         mode = None
         if prepared is not None:
             n = prepared[3].num_keys
@@ -480,6 +489,7 @@ class LookupEngine(DeploymentViews):
             tally[4] += 1
             return None
         tally[3] += read[1]
+        tally[5] |= read[2]
         return read[0]
 
     def _hit(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> int:
@@ -495,7 +505,7 @@ class LookupEngine(DeploymentViews):
     def _finish(self, tally: List[int], answer: Optional[Answer], start: float) -> None:
         """Count one lookup (and hand its record to :attr:`observer`, if any)."""
         hit = answer[0] if answer is not None else 0
-        tokens, keys, calls, present, failed = tally
+        tokens, keys, calls, present, failed, codes = tally
         with self._stats_lock:
             c = self._counts
             c[0] += 1
@@ -508,7 +518,7 @@ class LookupEngine(DeploymentViews):
             c[7] += tokens
         observer = self.observer
         if observer is not None:
-            outcome = "fault" if failed else "hit" if hit else "miss"
+            outcome = "fault" if failed or codes else "hit" if hit else "miss"
             with self._stats_lock:
                 down = self._unavailable + (0.0 if self._down_since is None else time.monotonic() - self._down_since)
                 unavailable, self._reported_unavailable = down - self._reported_unavailable, down
