@@ -118,3 +118,27 @@ def test_bad_arguments_answer_zero_with_a_log_line(caplog):
         batcher.submit("late", 64, [b"x" * 16])
     with pytest.raises(TypeError, match="engine must be a LookupEngine"):
         LookupBatcher(object())
+
+
+def test_the_last_calls_answers_serve_the_next_lookups_for_a_while(monkeypatch):
+    """A burst that came in two parts asks its shared keys once: a key the last call answered,
+    less than REUSE_S ago, is answered from there; later it is asked again."""
+    from mooncake_keys.lookup import batch as batch_mod
+
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    store = mk.RecordingStore(1)
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2),
+                                            hash_block_size=16, store=store))
+    try:
+        batcher.submit("first", 128, hashes)
+        first = answers_of(batcher, ["first"])["first"]
+        asked = store.keys_asked
+        batcher.submit("second", 128, hashes[:6])  # every key answered by the last call
+        assert answers_of(batcher, ["second"])["second"].hit_length == 96
+        assert store.keys_asked == asked and first.hit_length == 112
+        monkeypatch.setattr(batch_mod, "REUSE_S", 0.0)
+        batcher.submit("third", 128, hashes[:6])
+        assert answers_of(batcher, ["third"])["third"].hit_length == 96
+        assert store.keys_asked == asked + 12  # asked again
+    finally:
+        batcher.close()

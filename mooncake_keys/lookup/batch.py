@@ -6,7 +6,8 @@ A scheduler that lets lookups run while it goes on (vLLM's ``lookup_async``) han
 drops one (a request aborted while its lookup was pending costs nothing more). A background
 thread builds the keys, takes every lookup waiting for a call, asks the union of their keys in
 one ``batch_is_exist`` (a key several of them need, such as a shared system prompt's, is asked
-once) and hands each lookup its own answers: each answer is exactly the one its lookup would
+once; a key the last call answered, less than :data:`REUSE_S` ago, is not asked again) and
+hands each lookup its own answers: each answer is exactly the one its lookup would
 have alone (the same steps, :meth:`LookupEngine.steps`, fed the same answer per key). Lookups
 submitted while a call is in flight go together in the next one.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
@@ -32,6 +34,16 @@ from .hashes import as_block_hashes
 
 #: How many recent requests' hashes tell a shared prefix from a request's own part.
 RECENT_REQUESTS = 256
+#: A burst arrives within one scheduler pass: the thread, woken by a first lookup while idle,
+#: waits until no lookup came for GATHER_QUIET_S (at most GATHER_MAX_S), so that the burst's
+#: lookups start together and know the hashes they share.
+GATHER_QUIET_S = 0.001
+GATHER_MAX_S = 0.004
+#: The answers of the last call serve the next one's keys for this long (a burst that came in
+#: two parts asks its shared prompt once). On Mooncake a key answered present holds a read
+#: lease (``--default_kv_lease_ttl``, 10 s by default) that keeps it from eviction meanwhile;
+#: a key answered absent may have been saved since: the lookup then hits a little less.
+REUSE_S = 1.0
 
 __all__ = ["LookupBatcher", "BatchStats"]
 
@@ -81,9 +93,12 @@ class LookupBatcher:
         self._discarded: set = set()  # discarded while their call was in flight
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        # The thread's own: the hashes of recent requests (how many of them hold each hash).
+        # The thread's own: the hashes of recent requests (how many of them hold each hash), and
+        # the last call's answers (key -> answer) with its time.
         self._recent: "OrderedDict[Hashable, List[bytes]]" = OrderedDict()
         self._seen: Counter = Counter()
+        self._last: Dict[str, Any] = {}
+        self._last_at = 0.0
 
     # ------------------------------------------------------------------ the caller's side
     def submit(self, key: Hashable, num_tokens: int, block_hashes: Any, skip_tokens: int = 0) -> None:
@@ -140,6 +155,14 @@ class LookupBatcher:
             with self._cond:
                 while not (self._closed or self._submitted or self._running):
                     self._cond.wait()
+                if not self._running:  # idle until now: let the burst come in
+                    deadline = time.monotonic() + GATHER_MAX_S
+                    seen = len(self._submitted)
+                    while not self._closed and time.monotonic() < deadline:
+                        self._cond.wait(GATHER_QUIET_S)
+                        if len(self._submitted) == seen:
+                            break
+                        seen = len(self._submitted)
                 if self._closed:
                     return
                 submitted, self._submitted = self._submitted, {}
@@ -199,14 +222,21 @@ class LookupBatcher:
     def _call(self, batch: Dict[Hashable, _Lookup]) -> None:
         """One store call for every lookup of ``batch``, each key once."""
         wanted = [k for lk in batch.values() for k in lk.keys]
-        merged = list(dict.fromkeys(wanted))  # first sight order; each key once
-        position = dict(zip(merged, range(len(merged))))
-        answers = self.engine.call_store(merged)
-        self.stats.calls += 1
-        self.stats.keys_asked += len(merged)
+        last = self._last if time.monotonic() - self._last_at < REUSE_S else {}
+        merged = [k for k in dict.fromkeys(wanted) if k not in last]  # each key once, not just answered
+        known: Optional[Dict[str, Any]] = dict(last)
+        if merged:
+            answers = self.engine.call_store(merged)
+            self.stats.calls += 1
+            self.stats.keys_asked += len(merged)
+            if answers is None:
+                known = None
+            else:
+                known.update(zip(merged, answers))
+                self._last, self._last_at = dict(zip(merged, answers)), time.monotonic()
         self.stats.keys_wanted += len(wanted)
         for key, lk in batch.items():
-            own = None if answers is None else [answers[position[k]] for k in lk.keys]
+            own = None if known is None else [known[k] for k in lk.keys]
             try:
                 self._advance(key, lk.steps, lk.steps.send(own))
             except StopIteration as done:
