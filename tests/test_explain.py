@@ -4,20 +4,26 @@ Random deployments (full attention, sliding window, Mamba, chunked local; EAGLE;
 partial hash hits; DCP/PCP, MLA) and random stores (a prefix, namespaces short of keys, holes,
 error codes, odd answers, faults), both cores: explain's hit and tail key boundaries are
 lookup_result's, asking once with the one-shot keys. Then what it names (namespaces, codes,
-rules).
+rules), the heat map, and ``mooncake_keys explain`` end to end on a real mooncake_master.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
+import struct
+import subprocess
+import sys
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import mooncake_keys as mk
+from mooncake_keys import cli
 from mooncake_keys.lookup.explain import ABSENT, ERROR, PRESENT, Explanation
 
 F, S, G, M, C = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.KVCacheGroup, mk.MambaSpec, mk.ChunkedLocalAttentionSpec
@@ -290,3 +296,224 @@ def test_explanations_are_frozen(impl):
         x.hit_length = 1
     with pytest.raises(AttributeError):
         x.groups[0].run_tokens = 1
+
+
+# ------------------------------------------------------------------------------- the heat map
+def png_chunks(data):
+    """(type, body) of every chunk of a PNG file."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, out = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        assert zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
+        out.append((kind, body))
+        pos += 12 + length
+    return out
+
+
+def assert_matplotlib_png(path):
+    with open(path, "rb") as f:
+        chunks = png_chunks(f.read())
+    text = b"".join(body for kind, body in chunks if kind in (b"tEXt", b"iTXt"))
+    assert b"Software" in text and b"matplotlib" in text.lower()  # drawn by matplotlib, not a stub
+    width, height = struct.unpack(">II", chunks[0][1][:8])
+    assert width > 600 and height > 200
+
+
+def test_the_heat_map(impl, tmp_path):
+    pytest.importorskip("matplotlib")
+    from mooncake_keys.bench.explain import heat_map
+
+    rng = random.Random(3)
+    hashes = [rng.randbytes(16) for _ in range(1000)]  # more chunks than columns: aggregated
+    answers = {}
+    engine = mk.LookupEngine("m", store=mk.RecordingStore(present=answers), **_tp4_pp2(use_eagle=True))
+    for k in engine.candidate_keys(64000, hashes):
+        answers[k] = 1 if "@tp_rank:2@" not in k or k.rsplit("@", 1)[1] in {h.hex() for h in hashes[:600]} else 0
+    answers[engine.candidate_keys(64000, hashes)[-1]] = -704
+    x = engine.explain(64000, hashes, skip_tokens=640)
+    path = heat_map(x, str(tmp_path / "map.png"))
+    assert path == str(tmp_path / "map.png")
+    assert_matplotlib_png(path)
+
+
+# ------------------------------------------------------------------------------- the command line
+def run_cli(*argv, **kw):
+    return subprocess.run([sys.executable, "-m", "mooncake_keys", "explain", *argv], capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+DEPLOYMENT = ["--model", "org/Model-7B", "--tp", "2", "--pp", "2", "--num-kv-heads", "2", "--group", "full:16",
+              "--group", "swa:16:64"]
+
+
+def test_end_to_end_on_a_real_master(clean_mooncake_store, mooncake_master, tmp_path):
+    """Keys missing in one namespace of a stored prefix: the table names it and the hit, the
+    plot is a PNG matplotlib drew."""
+    pytest.importorskip("matplotlib")
+    holder = clean_mooncake_store
+    rng = random.Random(11)
+    hashes = [rng.randbytes(32) for _ in range(40)]
+    engine = mk.LookupEngine("Model-7B", [F(16), S(16, 64)], mk.ParallelLayout(tp_size=2, pp_size=2, num_kv_heads=2),
+                             hash_block_size=16, store=mk.RecordingStore())
+    late = {h.hex() for h in hashes[24:]}
+    for key in engine.candidate_keys(640, hashes):
+        if not ("@tp_rank:1@" in key and "@pp_rank:0@" in key and key.rsplit("@", 1)[1] in late):
+            assert holder.put(key, b"kv") == 0
+    prompt = tmp_path / "prompt.hashes"
+    prompt.write_text("# the request's block hashes\n" + "\n".join(h.hex() for h in hashes) + "\n")
+    plot = tmp_path / "out" / "explain.png"
+    out = run_cli(*DEPLOYMENT, "--hashes", str(prompt), "--master", mooncake_master.master_address, "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    assert "first missing: chunk 24 (token 384): absent in tp1 pcp0 dcp0 pp0" in out.stdout
+    assert "  tp1 pcp0 dcp0 pp0       24      16      0  chunk 24 (token 384)" in out.stdout
+    assert "hit: 384 tokens (tail key boundaries: group 0 at 384, group 1 at 384)" in out.stdout
+    assert f"plot: {plot}" in out.stdout
+    assert_matplotlib_png(plot)
+    # The same from standard input, with a shorter length and the vLLM config's cache prefix: nothing stored.
+    config = json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_connector_extra_config": {"cache_prefix": "t"}})
+    out = run_cli(*DEPLOYMENT, "--hashes", "-", "--num-tokens", "200", "--kv-transfer-config", config,
+                  "--master", mooncake_master.master_address, input=prompt.read_text())
+    assert out.returncode == 0, out.stderr
+    assert "lookup of 200 tokens, model 'Model-7B'" in out.stdout and out.stdout.endswith("hit: 0 tokens\n")
+    assert "absent in tp0 pcp0 dcp0 pp0, tp0 pcp0 dcp0 pp1, tp1 pcp0 dcp0 pp0, tp1 pcp0 dcp0 pp1" in out.stdout
+
+
+@pytest.fixture
+def never_connects(monkeypatch):
+    """Connecting fails the test: every refusal below comes before the master is asked."""
+    from mooncake_keys.store.mooncake import MooncakeStore
+
+    def refuse(*a, **k):
+        raise AssertionError("connected before checking the arguments")
+
+    monkeypatch.setattr(MooncakeStore, "connect", refuse)
+    monkeypatch.setattr(MooncakeStore, "lookup_client", refuse)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "p.hashes"
+    path.write_text("\n".join((bytes([i]) * 16).hex() for i in range(8)) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group", "full:16"], "the following arguments are required: --model"),
+    (["--model", "m"], "the following arguments are required: --group"),
+    (["--model", "m", "--group", "full"], "argument --group: 'full': expected full:BLOCK with whole numbers > 0"),
+    (["--model", "m", "--group", "swa:16"], "argument --group: 'swa:16': expected swa:BLOCK:SIZE"),
+    (["--model", "m", "--group", "lstm:16"], "argument --group: 'lstm:16': the kind must be one of"),
+    (["--model", "m", "--group", "full:16:eagle:eagle"], "only eagle and dropped may follow, once each"),
+    (["--model", "m", "--group", "full:16", "--tp", "0"], "argument --tp: must be from 1 to 4096, got 0"),
+    (["--model", "m", "--group", "full:16", "--vllm-compat", "0.99"], "argument --vllm-compat: invalid choice"),
+    (["--model", "m", "--group", "full:16", "--master", "nowhere"], "argument --master: master_address must be"),
+    (["--model", "m", "--group", "full:16", "--kv-transfer-config", "{"], "argument --kv-transfer-config: not JSON"),
+    (["--model", "m", "--group", "full:16", "--plot", "x.txt"], "argument --plot: the plot is written as PNG"),
+    (["--model", "m", "--group", "full:16", "--plot", "/proc/x.png"], "argument --plot: cannot write the plot there"),
+])
+def test_bad_arguments_are_refused_by_argparse(never_connects, prompt_file, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", *argv, "--hashes", prompt_file])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group", "full:16", "--group", "swa:24:64", "--hash-block-size", "16"],
+     "the deployment (--model, --group, --tp ... flags): groups[1] block_size (24) must be a multiple of "
+     "hash_block_size (16)"),
+    (["--group", "full:16", "--tp", "4", "--num-kv-heads", "3"], "num_kv_heads (3) must divide tp_size (4)"),
+    (["--group", "full:16", "--group", "full:32", "--pcp", "2"], "PCP > 1 supports a single KV-cache group only"),
+    (["--group", "full:16", "--kv-transfer-config", '{"kv_connector_extra_config": {"store_tp_size": 8}}'],
+     "argument --kv-transfer-config: store_tp_size put the keys in a store layout"),
+    (["--group", "full:16", "--kv-transfer-config", '{"kv_connector_extra_config": {"cache_prefix": 3}}'],
+     "cache_prefix must be a string"),
+    (["--group", "full:16", "--vllm-compat", "0.25", "--num-tokens", "100"],
+     "the lookup (--num-tokens, --skip-tokens, the prompt): num_tokens (100) must be a multiple of the scheduler"),
+    (["--group", "full:16", "--hashes", "/nonexistent/p"], "argument --hashes: cannot read '/nonexistent/p'"),
+    (["--group", "full:16", "--config", "/nonexistent.json"], "argument --config: Mooncake config '/nonexistent.json'"),
+    (["--group", "full:16"], "no master: give --master or --config (or set MOONCAKE_CONFIG_PATH)"),
+])
+def test_bad_arguments_are_refused_before_connecting(never_connects, prompt_file, capsys, argv, message):
+    argv = ["--model", "m", *argv]
+    if "--hashes" not in argv:
+        argv += ["--hashes", prompt_file]
+    if "--config" not in argv and "no master" not in message:
+        argv += ["--master", "127.0.0.1:1"]
+    assert cli.main(["explain", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mooncake_keys explain: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("zz\n", "line 1 is not a hex hash: 'zz'"),
+    ("00ff\n00\n", "line 2: every hash must have the same length (2 bytes), got 1"),
+    ("# nothing\n\n", "no hash in it"),
+])
+def test_bad_hash_files_are_refused_before_connecting(never_connects, tmp_path, capsys, text, message):
+    path = tmp_path / "h"
+    path.write_text(text)
+    assert cli.main(["explain", "--model", "m", "--group", "full:16", "--hashes", str(path), "--master",
+                     "127.0.0.1:1"]) == 2
+    assert f"argument --hashes: {message}" in capsys.readouterr().err
+
+
+def test_token_ids_need_vllm_else_a_pointer_to_hashes(never_connects, tmp_path, capsys):
+    pytest.importorskip("pytest")
+    ids = tmp_path / "ids"
+    ids.write_text("[1, 2, 3,\n4 5]")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert cli.main(["explain", "--model", "m", "--group", "full:2", "--token-ids", str(ids), "--master",
+                         "127.0.0.1:1"]) == 2
+        err = capsys.readouterr().err
+        assert "argument --token-ids: hashing token ids needs vLLM" in err and "(--hashes)" in err
+    ids.write_text("1 2 x")
+    assert cli.main(["explain", "--model", "m", "--group", "full:2", "--token-ids", str(ids), "--master",
+                     "127.0.0.1:1"]) == 2
+    assert "argument --token-ids: 'x' is not a token id" in capsys.readouterr().err
+
+
+def test_without_matplotlib_plot_is_refused_before_connecting(never_connects, prompt_file, tmp_path, capsys,
+                                                               monkeypatch):
+    from mooncake_keys.bench import explain as bench_explain
+
+    monkeypatch.setattr(bench_explain, "matplotlib_missing", lambda: "the heat map needs matplotlib: pip install x")
+    assert cli.main(["explain", "--model", "m", "--group", "full:16", "--hashes", prompt_file, "--master",
+                     "127.0.0.1:1", "--plot", str(tmp_path / "a.png")]) == 2
+    assert "argument --plot: the heat map needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_the_deployment_the_flags_describe():
+    from mooncake_keys.cli.explain import deployment_from
+
+    parser = cli_parser()
+    args = parser.parse_args([
+        "--model", "/models/deepseek-ai/DeepSeek-V4/", "--tp", "8", "--mla", "--group", "full:64",
+        "--group", "swa:64:4096:eagle", "--group", "mamba:128:dropped", "--hashes", "-", "--vllm-compat", "0.29",
+        "--kv-transfer-config", '{"kv_connector_extra_config": {"cache_prefix": "tenantA", "lookup_strategy": "rounds"}}'])
+    dep = deployment_from(args)
+    assert dep.model_name == "DeepSeek-V4" and dep.cache_prefix == "tenantA" and dep.contract.name == "0.29"
+    assert dep.hash_block_size == 64 and dep.scheduler_block_size == 128
+    assert [type(g.spec) for g in dep.groups] == [F, S, M] and dep.groups[1].is_eagle_group
+    assert len(dep.store_groups) == 2 and dep.prefixes[0] == ("tenantA@DeepSeek-V4@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",)
+    args = parser.parse_args(["--model", "m", "--group", "full:16", "--hashes", "-", "--cache-prefix", "b",
+                              "--store-namespace", "@store_tp:4@store_pp:1", "--kv-transfer-config",
+                              '{"kv_connector_extra_config": {"cache_prefix": "a", "store_tp_size": 4}}'])
+    dep = deployment_from(args)
+    assert dep.prefixes[0][0] == "b@m@store_tp:4@store_pp:1@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
+
+
+def cli_parser():
+    import argparse
+
+    from mooncake_keys.cli import explain as cli_explain
+
+    parser = argparse.ArgumentParser()
+    cli_explain.add_cli_args(parser)
+    return parser

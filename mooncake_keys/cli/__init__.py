@@ -1,7 +1,8 @@
-"""The command line: ``mooncake_keys {demo,bench}`` (also ``python -m mooncake_keys``).
+"""The command line: ``mooncake_keys {demo,bench,explain}`` (also ``python -m mooncake_keys``).
 
 It parses arguments and prints; what runs lives in :mod:`mooncake_keys.bench` (``demo``: the
-serving workload, ``suite``: the benchmark run). Each subcommand module has ``HELP``,
+serving workload, ``suite``: the benchmark run, ``explain``: a prompt's hashes and the heat map)
+and :mod:`mooncake_keys.lookup.explain` (the report). Each subcommand module has ``HELP``,
 ``add_cli_args`` and ``main(args)``; the argument types they share are here."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import tempfile
 from typing import Callable, List, Optional
 
-from . import bench, demo
+from . import bench, demo, explain
 
 #: The most prompts a demo serves, or repeats a bench takes: enough for any run, bounded.
 MAX_COUNT = 100_000
@@ -74,7 +75,7 @@ def unwritable(path: str, directory: bool = False) -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake_keys", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {"demo": demo, "bench": bench}
+    commands = {"demo": demo, "bench": bench, "explain": explain}
     for name, module in commands.items():
         module.add_cli_args(sub.add_parser(name, help=module.HELP, description=module.HELP))
     args = parser.parse_args(argv)
