@@ -517,3 +517,32 @@ def cli_parser():
     parser = argparse.ArgumentParser()
     cli_explain.add_cli_args(parser)
     return parser
+
+
+# ------------------------------------------------------------------------------- the docs
+def test_the_docs_show_what_the_code_prints(capsys):
+    """docs/seeing.md: its Python example prints the text after it, and its command's output is
+    what the report of that store state reads (the doc's run: a sha256 chain of 2,048 hashes, TP
+    rank 2's keys stored up to 40 %)."""
+    import hashlib
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "seeing.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```(\w+)\n(.*?)```", doc, re.S)
+    kinds = [kind for kind, _ in blocks]
+    python = kinds.index("python")
+    exec(compile(blocks[python][1], "docs/seeing.md", "exec"), {})
+    assert capsys.readouterr().out == blocks[python + 1][1]
+    hashes, h = [], b""
+    for i in range(2048):
+        h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+        hashes.append(h)
+    stored = set()
+    engine = mk.LookupEngine("Hybrid-32B", [F(64), S(64, 4096)], mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8),
+                             hash_block_size=64, store=mk.RecordingStore(present=stored))
+    late = {x.hex() for x in hashes[int(0.4 * 2048):]}
+    stored.update(k for k in engine.candidate_keys(2048 * 64, hashes)
+                  if not ("@tp_rank:2@" in k and k.rsplit("@", 1)[1] in late))
+    printed = blocks[kinds.index("text")][1]
+    assert printed == engine.explain(2048 * 64, hashes).format() + "\nplot: docs/explain.png\n"
