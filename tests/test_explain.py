@@ -97,7 +97,8 @@ def cases(draw):
         tokens += draw(st.sampled_from([0, 0, 1]))
     heads = [h for hs in probe.deployment.heads for h in hs]
     short = draw(st.lists(st.sampled_from(heads), max_size=2)) if heads else []
-    store = dict(cut=draw(st.one_of(st.just(n_hashes), st.integers(0, n_hashes))), short_cut=draw(st.integers(0, n_hashes)),
+    store = dict(cut=draw(st.one_of(st.just(n_hashes), st.integers(0, n_hashes))),
+                 short_cut=draw(st.integers(0, n_hashes)),
                  short_heads={h[:-1] for h in short}, hole_p=draw(st.sampled_from([0.0, 0.0, 0.02, 0.2])))
     fault = draw(st.sampled_from([None] * 6 + [ConnectionError("master unreachable"), "short", "not a list", -900]))
     skip = draw(st.sampled_from([0, 0, 0, 1, tokens // 2, tokens])) if tokens > 0 else 0
@@ -151,7 +152,8 @@ def check_group(g, answer, answered):
         for i in range(0, len(g.asked_chunks), 7):  # a sample: the answer kept is the store's
             s = g.status[k][i]
             a = g.answers[k][i]
-            assert s == (PRESENT if type(a) in (int, bool) and a == 1 else ERROR if type(a) is int and a < 0 else ABSENT)
+            want = PRESENT if type(a) in (int, bool) and a == 1 else ERROR if type(a) is int and a < 0 else ABSENT
+            assert s == want
     everywhere = [all(g.status[k][i] == PRESENT for k in range(r)) for i in range(len(g.asked_chunks))]
     assert g.present_chunks == sum(everywhere)
     assert g.present_chunks + g.absent_chunks + g.error_chunks == len(g.asked_chunks)
@@ -290,7 +292,8 @@ def test_arguments_are_checked_as_by_a_lookup(impl):
 
 
 def test_explanations_are_frozen(impl):
-    x = mk.LookupEngine("m", store=mk.RecordingStore(answer=1), **_tp4_pp2()).explain(640, [bytes([i]) * 8 for i in range(10)])
+    engine = mk.LookupEngine("m", store=mk.RecordingStore(answer=1), **_tp4_pp2())
+    x = engine.explain(640, [bytes([i]) * 8 for i in range(10)])
     assert isinstance(x, Explanation)
     with pytest.raises(AttributeError):
         x.hit_length = 1
@@ -462,7 +465,6 @@ def test_bad_hash_files_are_refused_before_connecting(never_connects, tmp_path, 
 
 
 def test_token_ids_need_vllm_else_a_pointer_to_hashes(never_connects, tmp_path, capsys):
-    pytest.importorskip("pytest")
     ids = tmp_path / "ids"
     ids.write_text("[1, 2, 3,\n4 5]")
     try:
@@ -496,12 +498,14 @@ def test_the_deployment_the_flags_describe():
     args = parser.parse_args([
         "--model", "/models/deepseek-ai/DeepSeek-V4/", "--tp", "8", "--mla", "--group", "full:64",
         "--group", "swa:64:4096:eagle", "--group", "mamba:128:dropped", "--hashes", "-", "--vllm-compat", "0.29",
-        "--kv-transfer-config", '{"kv_connector_extra_config": {"cache_prefix": "tenantA", "lookup_strategy": "rounds"}}'])
+        "--kv-transfer-config",
+        '{"kv_connector_extra_config": {"cache_prefix": "tenantA", "lookup_strategy": "rounds"}}'])
     dep = deployment_from(args)
     assert dep.model_name == "DeepSeek-V4" and dep.cache_prefix == "tenantA" and dep.contract.name == "0.29"
     assert dep.hash_block_size == 64 and dep.scheduler_block_size == 128
     assert [type(g.spec) for g in dep.groups] == [F, S, M] and dep.groups[1].is_eagle_group
-    assert len(dep.store_groups) == 2 and dep.prefixes[0] == ("tenantA@DeepSeek-V4@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",)
+    assert len(dep.store_groups) == 2
+    assert dep.prefixes[0] == ("tenantA@DeepSeek-V4@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",)
     args = parser.parse_args(["--model", "m", "--group", "full:16", "--hashes", "-", "--cache-prefix", "b",
                               "--store-namespace", "@store_tp:4@store_pp:1", "--kv-transfer-config",
                               '{"kv_connector_extra_config": {"cache_prefix": "a", "store_tp_size": 4}}'])
@@ -539,8 +543,9 @@ def test_the_docs_show_what_the_code_prints(capsys):
         h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
         hashes.append(h)
     stored = set()
-    engine = mk.LookupEngine("Hybrid-32B", [F(64), S(64, 4096)], mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8),
-                             hash_block_size=64, store=mk.RecordingStore(present=stored))
+    layout = mk.ParallelLayout(tp_size=4, pp_size=2, num_kv_heads=8)
+    engine = mk.LookupEngine("Hybrid-32B", [F(64), S(64, 4096)], layout, hash_block_size=64,
+                             store=mk.RecordingStore(present=stored))
     late = {x.hex() for x in hashes[int(0.4 * 2048):]}
     stored.update(k for k in engine.candidate_keys(2048 * 64, hashes)
                   if not ("@tp_rank:2@" in k and k.rsplit("@", 1)[1] in late))

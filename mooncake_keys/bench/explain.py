@@ -111,14 +111,16 @@ def heat_map(x: Explanation, path: str, *, max_columns: int = MAX_COLUMNS) -> st
     codes: Dict[int, int] = {}
     spans = []  # per group: (its cells aggregated, chunks per column)
     for g in x.groups:
-        chunks = max([x.lookup_tokens // g.chunk_tokens] + [c + 1 for c in g.asked_chunks[-1:] + g.presumed_chunks[-1:]])
+        last = g.asked_chunks[-1:] + g.presumed_chunks[-1:]
+        chunks = max([x.lookup_tokens // g.chunk_tokens] + [c + 1 for c in last])
         per = max(1, -(-chunks // max_columns))
         cells = np.array(_cells(g, chunks, codes), dtype=np.int16).reshape(len(g.namespaces), chunks)
         pad = -chunks % per
         if pad:
             cells = np.pad(cells, ((0, 0), (0, pad)), constant_values=_NOT_ASKED)
         spans.append((cells.reshape(cells.shape[0], -1, per).max(axis=2), per))
-    colours = [_COLOURS[v] for v in range(_ERROR)] + [_ERROR_COLOURS[i % len(_ERROR_COLOURS)] for i in range(len(codes))]
+    colours = [_COLOURS[v] for v in range(_ERROR)]
+    colours += [_ERROR_COLOURS[i % len(_ERROR_COLOURS)] for i in range(len(codes))]
     cmap = ListedColormap(colours)
     heights = [max(1.0, 0.22 * len(g.namespaces)) for g in x.groups] or [1.0]
     fig, axes = plt.subplots(max(1, len(x.groups)), 1, sharex=True, squeeze=False, dpi=110,

@@ -128,7 +128,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                      help="every hit's multiple (default: the lcm of the groups' block sizes, as vLLM)")
     dep.add_argument("--eagle", action="store_true", help="speculative decoding with EAGLE (vLLM's use_eagle)")
     dep.add_argument("--partial-hash-hits", action="store_true",
-                     help="vLLM 0.27+'s hits inside a block (on when a Mamba group's block is larger than the hash unit)")
+                     help="vLLM 0.27+'s hits inside a block (on when a Mamba group's block is larger than the "
+                          "hash unit)")
     dep.add_argument("--vllm-compat", choices=sorted(CONTRACTS), default=DEFAULT_VLLM_COMPAT,
                      help=f"the vLLM release the server runs (default {DEFAULT_VLLM_COMPAT})")
     dep.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",

@@ -33,7 +33,10 @@ from .hashes import as_block_hashes
 from .layout import Namespace
 from .specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-__all__ = ["ABSENT", "ERROR", "PRESENT", "Cut", "Explanation", "GroupExplanation", "MissingChunk", "NamespaceRow", "explain", "namespace_name"]
+__all__ = [
+    "ABSENT", "ERROR", "PRESENT", "Cut", "Explanation", "GroupExplanation", "MissingChunk", "NamespaceRow", "explain",
+    "is_error_code", "namespace_name",
+]
 
 #: How an answer reads (``GroupExplanation.status``): absent, present (exactly 1), an error code.
 ABSENT, PRESENT, ERROR = 0, 1, 2
@@ -311,7 +314,8 @@ def _kind(spec: Any) -> Tuple[str, str]:
     if isinstance(spec, MambaSpec):
         return "Mamba", "Mamba (recurrent state)"
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        return "chunked local attention", f"chunked local attention ({spec.attention_chunk_size}-token attention chunks)"
+        chunk = spec.attention_chunk_size
+        return "chunked local attention", f"chunked local attention ({chunk}-token attention chunks)"
     return "full attention", "full attention"
 
 
