@@ -26,15 +26,16 @@ from support.cores import NO_C_ENGINES  # noqa: E402
 def pytest_configure(config):
     """Under ``MK_REQUIRE_REAL=1`` (the test command sets it) a missing real component is an error.
 
-    The store, failover and multi-process tests skip themselves where Mooncake, torch, numpy or
-    etcd is absent, which is right on a developer's partial install and wrong in CI: there a
-    failed install would turn the real-component tests into silent skips.
+    The store, failover, multi-process and heat-map tests skip themselves where Mooncake, torch,
+    numpy, matplotlib or etcd is absent, which is right on a developer's partial install and wrong
+    in CI: there a failed install would turn the real-component tests into silent skips.
     """
     if not os.environ.get("MK_REQUIRE_REAL"):
         return
     import shutil
 
-    missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis") if _find_spec(name) is None]
+    missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis", "matplotlib")
+               if _find_spec(name) is None]
     missing += [f"{exe} (executable)" for exe in ("etcd",) if shutil.which(exe) is None]
     if missing:
         raise pytest.UsageError(f"MK_REQUIRE_REAL=1 but these are missing: {', '.join(missing)}")

@@ -1,36 +1,81 @@
-"""The command line: ``mooncake_keys {demo,bench}`` (also ``python -m mooncake_keys``).
+"""The command line: ``mooncake_keys {demo,bench,explain}`` (also ``python -m mooncake_keys``).
 
 It parses arguments and prints; what runs lives in :mod:`mooncake_keys.bench` (``demo``: the
-serving workload, ``suite``: the benchmark run). Each subcommand module has ``add_cli_args`` and
-``main(args)``."""
+serving workload, ``suite``: the benchmark run, ``explain``: a prompt's hashes and the heat map)
+and :mod:`mooncake_keys.lookup.explain` (the report). Each subcommand module has ``HELP``,
+``add_cli_args`` and ``main(args)``; the argument types they share are here."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import List, Optional
+import os
+import tempfile
+from typing import Callable, List, Optional
 
-from . import bench, demo
+from . import bench, demo, explain
 
 #: The most prompts a demo serves, or repeats a bench takes: enough for any run, bounded.
 MAX_COUNT = 100_000
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number from 1 to :data:`MAX_COUNT`."""
+def whole_number(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text) <= 12 else high + 1
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text}")
+        return value
+
+    return parse
+
+
+#: An argparse type: a whole number from 1 to :data:`MAX_COUNT`.
+positive_int = whole_number(1, MAX_COUNT)
+
+
+def png_path(text: str) -> str:
+    """An argparse type: a path a PNG can be written to (checked now, before any work)."""
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"the plot is written as PNG: the path must end in .png, got {text!r}")
+    why = unwritable(text)
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write the plot there: {why}")
+    return text
+
+
+def unwritable(path: str, directory: bool = False) -> Optional[str]:
+    """Why a file (or, with ``directory``, a directory) cannot be written at ``path``, or None.
+
+    The nearest existing directory on the way must take a new file (tried, then removed): a
+    permission, a read-only file system or a file in the way is found before any work."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        return f"{path} is {'not ' if directory else ''}a directory"
+    if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    parent = path if directory else os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
     try:
-        value = int(text) if len(text) <= 12 else MAX_COUNT + 1
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_COUNT}, got {text}")
-    return value
+        fd, probe = tempfile.mkstemp(dir=parent, suffix=".png")
+    except OSError as exc:
+        return f"cannot write in {parent}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake_keys", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {"demo": demo, "bench": bench}
+    commands = {"demo": demo, "bench": bench, "explain": explain}
     for name, module in commands.items():
         module.add_cli_args(sub.add_parser(name, help=module.HELP, description=module.HELP))
     args = parser.parse_args(argv)

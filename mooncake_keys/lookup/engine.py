@@ -372,6 +372,14 @@ class LookupEngine(DeploymentViews):
         boundaries = dep.tail_boundaries(hit, presence, num_hashes)
         return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
 
+    def explain(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> Any:
+        """Why :meth:`lookup_result` of these arguments hits what it hits, on the store as it is
+        now: an :class:`~mooncake_keys.lookup.explain.Explanation` (every answer of the one-shot
+        keys, per group and namespace, and the coordinator's steps; the same hit)."""
+        from .explain import explain
+
+        return explain(self, num_tokens, block_hashes, skip_tokens=skip_tokens)
+
     def _lookup(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any) -> Optional[Answer]:
         """(hit, number of hashes, per-group presence), or None for no hit at all: the lookup
         :meth:`steps` describes, driven here with this engine's store (a one-shot lookup without

@@ -1,0 +1,331 @@
+"""``mooncake_keys explain``: why a prompt hits what it hits on a Mooncake master.
+
+The deployment is given as vLLM serves it: the model, the parallel sizes and the KV-cache
+groups as flags, and vLLM's ``--kv-transfer-config`` JSON, of which ``kv_connector_extra_config``
+is read: ``cache_prefix`` (the keys' prefix), and ``store_tp_size`` / ``enable_store_tp_lcm`` (a
+store layout, whose namespace vLLM resolves on its workers from the attention backend: give it
+with ``--store-namespace``). The prompt is the request's block hashes, or its token ids hashed by
+the installed vLLM's own hasher. The master is an address or vLLM's Mooncake JSON config.
+
+Every argument is checked (the lookup itself is run against a store double) before the master
+is asked; then it is asked once, with every key of the one-shot lookup
+(:mod:`mooncake_keys.lookup.explain`). Prints the report; ``--plot`` also draws it
+(:mod:`mooncake_keys.bench.explain`). Exit status 0 with a report (a store fault is in it), 1
+when the master cannot be reached, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from .._checks import MAX_TOKENS
+
+HELP = "why a prompt hits what it hits: every key's answer per group and namespace, and the coordinator's steps"
+
+#: The most hashes (or token ids) read from a prompt file: far past any context length.
+MAX_PROMPT = 1 << 22
+_KINDS = {"full": 1, "swa": 2, "mamba": 1, "chunked": 2}  # kind -> numbers after it (block size[, size])
+_FLAGS = ("eagle", "dropped")
+#: What vLLM's kv_connector_extra_config may hold that moves the keys to a store layout.
+_STORE_LAYOUT = ("store_tp_size", "enable_store_tp_lcm")
+
+EPILOG = """\
+groups, in vLLM's order (--group, repeated):
+  full:BLOCK                 full attention (MLA included)
+  swa:BLOCK:WINDOW           sliding window; WINDOW in tokens (from vLLM 0.33: sliding_window + extra_retained_tokens)
+  mamba:BLOCK                Mamba / recurrent state (vLLM's 'align' cache mode)
+  chunked:BLOCK:CHUNK        chunked local attention with CHUNK-token attention chunks
+  ...:eagle                  a draft-model (EAGLE) group; ...:dropped  a group not prefix-cacheable (vLLM 0.29+)
+  BLOCK is the group's block size as the store sees it (a single group under DCP: block size x dcp).
+
+the prompt's hashes:
+  --hashes FILE|-            the request's block hashes, one hex string per line (as vLLM's keys end)
+  --token-ids FILE|-         token ids (whitespace- or comma-separated), hashed as vLLM hashes a plain prompt
+                             (no LoRA, multimodal input, cache salt or prompt embeddings) by the installed vLLM.
+                             vLLM seeds every hash chain from NONE_HASH, which PYTHONHASHSEED sets: run this with
+                             the server's PYTHONHASHSEED. Without it, vLLM 0.29+ seeds sha256 with a fixed string
+                             (reproducible here) and xxhash at random, older releases every algorithm at random
+                             (refused: pass --hashes).
+
+example:
+  mooncake_keys explain --model Qwen/Qwen3-32B --tp 4 --pp 2 --num-kv-heads 8 \\
+      --group full:64 --group swa:64:4096 --hashes prompt.hashes --master 10.0.0.5:50051 --plot miss.png
+"""
+
+
+# ------------------------------------------------------------------------------- argument types
+def _group(text: str) -> Tuple[str, Tuple[int, ...], Tuple[str, ...]]:
+    """``KIND:BLOCK[:SIZE][:eagle][:dropped]`` -> (kind, numbers, flags)."""
+    parts = text.strip().lower().split(":")
+    kind = parts[0]
+    if kind not in _KINDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the kind must be one of {', '.join(_KINDS)}")
+    want = _KINDS[kind]
+    numbers, flags = parts[1:1 + want], parts[1 + want:]
+    if len(numbers) != want or not all(n.isascii() and n.isdigit() and len(n) <= 10 and int(n) > 0 for n in numbers):
+        shape = {1: "KIND:BLOCK", 2: "KIND:BLOCK:SIZE"}[want]
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {shape.replace('KIND', kind)} with whole numbers > 0")
+    bad = [f for f in flags if f not in _FLAGS]
+    if bad or len(set(flags)) != len(flags):
+        raise argparse.ArgumentTypeError(f"{text!r}: after the sizes only {' and '.join(_FLAGS)} may follow, once each")
+    return kind, tuple(int(n) for n in numbers), tuple(flags)
+
+
+def _json_object(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    extra = value.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise argparse.ArgumentTypeError("kv_connector_extra_config must be a JSON object")
+    return value
+
+
+def _master(text: str) -> str:
+    from ..store.probe import parse_master_address
+
+    try:
+        parse_master_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from ..bench.explain import HASH_ALGOS
+    from ..lookup.contract import CONTRACTS, DEFAULT_VLLM_COMPAT
+    from ..lookup.layout import MAX_RANKS
+    from . import png_path, whole_number
+
+    sizes, tokens = whole_number(1, MAX_RANKS), whole_number(1, MAX_TOKENS)
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    dep = parser.add_argument_group("the deployment, as vLLM serves it")
+    dep.add_argument("--model", required=True, metavar="NAME_OR_PATH",
+                     help="vLLM's --model; the keys use its last path component")
+    dep.add_argument("--group", dest="groups", action="append", type=_group, required=True,
+                     metavar="KIND:BLOCK[:SIZE][:eagle]", help="a KV-cache group, in vLLM's order (repeat; see below)")
+    for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--pcp", "prefill context"),
+                       ("--dcp", "decode context")):
+        dep.add_argument(flag, type=sizes, default=1, metavar="N",
+                         help=f"{what} parallel size (default 1)")
+    dep.add_argument("--num-kv-heads", type=sizes, default=1, metavar="N",
+                     help="the model's KV heads (default 1)")
+    dep.add_argument("--mla", action="store_true", help="an MLA model (one TP namespace)")
+    dep.add_argument("--hash-block-size", type=tokens, metavar="TOKENS",
+                     help="tokens per request hash (default: the gcd of the groups' block sizes)")
+    dep.add_argument("--scheduler-block-size", type=tokens, metavar="TOKENS",
+                     help="every hit's multiple (default: the lcm of the groups' block sizes, as vLLM)")
+    dep.add_argument("--eagle", action="store_true", help="speculative decoding with EAGLE (vLLM's use_eagle)")
+    dep.add_argument("--partial-hash-hits", action="store_true",
+                     help="vLLM 0.27+'s hits inside a block (on when a Mamba group's block is larger than the "
+                          "hash unit)")
+    dep.add_argument("--vllm-compat", choices=sorted(CONTRACTS), default=DEFAULT_VLLM_COMPAT,
+                     help=f"the vLLM release the server runs (default {DEFAULT_VLLM_COMPAT})")
+    dep.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",
+                     help="vLLM's --kv-transfer-config; kv_connector_extra_config's cache_prefix is read, and a store "
+                          "layout (store_tp_size, enable_store_tp_lcm) needs --store-namespace")
+    dep.add_argument("--cache-prefix", help="the keys' cache prefix (default: the --kv-transfer-config's, else none)")
+    dep.add_argument("--store-namespace", metavar="TAGS",
+                     help="vLLM's store namespace (@store_tp:4@store_pp:1@...); with a TP-sharded store layout, "
+                          "give the store's TP size as --tp")
+    prompt = parser.add_argument_group("the prompt")
+    source = prompt.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hashes", metavar="FILE|-", help="its block hashes, one hex string per line")
+    source.add_argument("--token-ids", metavar="FILE|-", help="its token ids, hashed by the installed vLLM (see below)")
+    prompt.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256",
+                        help="vLLM's --prefix-caching-hash-algo, for --token-ids (default sha256)")
+    prompt.add_argument("--num-tokens", type=whole_number(0, MAX_TOKENS), metavar="N",
+                        help="the request's length (default: the token ids, or hashes x hash block size)")
+    prompt.add_argument("--skip-tokens", type=whole_number(0, MAX_TOKENS), default=0, metavar="N",
+                        help="tokens held locally: chunks below are not asked and count present (default 0)")
+    master = parser.add_argument_group("the master (default: the config in MOONCAKE_CONFIG_PATH)")
+    where = master.add_mutually_exclusive_group()
+    where.add_argument("--master", type=_master, metavar="HOST:PORT|etcd://HOST:PORT[;...]",
+                       help="the Mooncake master, or the etcd endpoints of an HA cluster")
+    where.add_argument("--config", metavar="PATH", help="vLLM's Mooncake JSON config (its master_server_address)")
+    parser.add_argument("--plot", type=png_path, metavar="PATH.png",
+                        help="also draw the answers as a heat map (needs matplotlib: the bench extra)")
+
+
+# ------------------------------------------------------------------------------- inputs
+class BadArgument(ValueError):
+    """An argument that cannot be used; the message names it."""
+
+
+def deployment_from(args: argparse.Namespace) -> Any:
+    """The :class:`~mooncake_keys.Deployment` the flags describe (BadArgument naming the flag)."""
+    from ..lookup.deployment import Deployment
+    from ..lookup.keys import model_name_from_path
+    from ..lookup.layout import ParallelLayout
+    from ..lookup.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+
+    extra = (args.kv_transfer_config or {}).get("kv_connector_extra_config", {})
+    layout_keys = [k for k in _STORE_LAYOUT if extra.get(k) not in (None, False)]
+    if layout_keys and args.store_namespace is None:
+        raise BadArgument(f"argument --kv-transfer-config: {' and '.join(layout_keys)} put the keys in a store layout "
+                          "whose namespace vLLM resolves on its workers: give it with --store-namespace (from a "
+                          "key in the store, after the model name)")
+    cache_prefix = args.cache_prefix if args.cache_prefix is not None else extra.get("cache_prefix", "")
+    if not isinstance(cache_prefix, str):
+        raise BadArgument(f"argument --kv-transfer-config: cache_prefix must be a string, got {cache_prefix!r}")
+    groups = []
+    for kind, numbers, flags in args.groups:
+        spec = {"full": FullAttentionSpec, "swa": SlidingWindowSpec, "mamba": MambaSpec,
+                "chunked": ChunkedLocalAttentionSpec}[kind](*numbers)
+        groups.append(KVCacheGroup(spec, is_eagle_group="eagle" in flags, prefix_cacheable="dropped" not in flags))
+    hash_block_size = args.hash_block_size or math.gcd(*(g.spec.block_size for g in groups))
+    options: Dict[str, Any] = dict(hash_block_size=hash_block_size, scheduler_block_size=args.scheduler_block_size,
+                                   use_eagle=args.eagle, cache_prefix=cache_prefix, vllm_compat=args.vllm_compat)
+    if args.store_namespace:
+        options["store_namespace"] = args.store_namespace
+    if args.partial_hash_hits:
+        options["partial_hash_hits"] = True
+    try:
+        layout = ParallelLayout(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp,
+                                num_kv_heads=args.num_kv_heads, use_mla=args.mla)
+        # vLLM writes the keys whatever its names hold: reproduce them.
+        return Deployment(model_name_from_path(args.model), groups, layout, allow_ambiguous_names=True, **options)
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(f"the deployment (--model, --group, --tp ... flags): {exc}") from None
+
+
+def _read_text(path: str, flag: str, stdin_used: List[bool]) -> str:
+    if path == "-":
+        if stdin_used[0]:
+            raise BadArgument(f"argument {flag}: standard input is already read")
+        stdin_used[0] = True
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadArgument(f"argument {flag}: cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def read_hashes(text: str) -> List[bytes]:
+    """One hex hash per line (blank lines and ``#`` comments skipped), all the same length."""
+    hashes: List[bytes] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            h = bytes.fromhex(line)
+        except ValueError:
+            raise BadArgument(f"argument --hashes: line {number} is not a hex hash: {line[:80]!r}") from None
+        if not h or (hashes and len(h) != len(hashes[0])):
+            raise BadArgument(f"argument --hashes: line {number}: every hash must have the same length "
+                              f"({len(hashes[0]) if hashes else 'more than 0'} bytes), got {len(h)}")
+        hashes.append(h)
+        if len(hashes) > MAX_PROMPT:
+            raise BadArgument(f"argument --hashes: more than {MAX_PROMPT} hashes")
+    if not hashes:
+        raise BadArgument("argument --hashes: no hash in it")
+    return hashes
+
+
+def read_token_ids(text: str) -> List[int]:
+    """Whole numbers separated by whitespace or commas (a JSON list reads too)."""
+    words = re.split(r"[\s,\[\]]+", text.strip().strip("[]"))
+    words = [w for w in words if w]
+    if not words:
+        raise BadArgument("argument --token-ids: no token id in it")
+    if len(words) > MAX_PROMPT:
+        raise BadArgument(f"argument --token-ids: more than {MAX_PROMPT} token ids")
+    bad = next((w for w in words if not (w.isascii() and w.isdigit() and len(w) <= 10)), None)
+    if bad is not None:
+        raise BadArgument(f"argument --token-ids: {bad[:40]!r} is not a token id (a whole number >= 0)")
+    return [int(w) for w in words]
+
+
+def prompt_from(args: argparse.Namespace, hash_block_size: int) -> Tuple[List[bytes], int]:
+    """(the block hashes, num_tokens)."""
+    stdin_used = [False]
+    if args.hashes is not None:
+        hashes = read_hashes(_read_text(args.hashes, "--hashes", stdin_used))
+        return hashes, args.num_tokens if args.num_tokens is not None else len(hashes) * hash_block_size
+    token_ids = read_token_ids(_read_text(args.token_ids, "--token-ids", stdin_used))
+    from ..bench.explain import vllm_block_hashes
+
+    try:
+        hashes = vllm_block_hashes(token_ids, hash_block_size, args.hash_algo)
+    except (ImportError, ValueError) as exc:
+        raise BadArgument(f"argument --token-ids: {exc}") from None
+    if not hashes:
+        raise BadArgument(f"argument --token-ids: {len(token_ids)} tokens make no full block of {hash_block_size}")
+    return hashes, args.num_tokens if args.num_tokens is not None else len(token_ids)
+
+
+def _config_from(args: argparse.Namespace) -> Optional[Any]:
+    """vLLM's Mooncake config to connect with (None: ``--master``)."""
+    if args.master is not None:
+        return None
+    from ..store.config import CONFIG_PATH_ENV, MooncakeStoreConfig
+
+    path = args.config or os.environ.get(CONFIG_PATH_ENV)
+    if not path:
+        raise BadArgument(f"no master: give --master or --config (or set {CONFIG_PATH_ENV})")
+    flag = "--config" if args.config else CONFIG_PATH_ENV
+    try:
+        config = MooncakeStoreConfig.from_file(path)
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(f"argument {flag}: {exc}") from None
+    if not config.master_server_address:
+        raise BadArgument(f"argument {flag}: {path!r} names no master_server_address")
+    return config
+
+
+# ------------------------------------------------------------------------------- main
+def _error(message: str) -> int:
+    print(f"mooncake_keys explain: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..lookup.engine import LookupEngine
+    from ..store.recording import RecordingStore
+
+    try:
+        if args.plot:
+            from ..bench.explain import matplotlib_missing
+
+            missing = matplotlib_missing()
+            if missing:
+                raise BadArgument(f"argument --plot: {missing}")
+        dep = deployment_from(args)
+        hashes, num_tokens = prompt_from(args, dep.hash_block_size)
+        config = _config_from(args)
+        try:  # the lookup's own checks, against a store double: nothing is asked of the master yet
+            LookupEngine.for_deployment(dep, store=RecordingStore()).explain(num_tokens, hashes,
+                                                                             skip_tokens=args.skip_tokens)
+        except (TypeError, ValueError) as exc:
+            raise BadArgument(f"the lookup (--num-tokens, --skip-tokens, the prompt): {exc}") from None
+    except BadArgument as exc:
+        return _error(str(exc))
+    from ..store.mooncake import MooncakeStore, MooncakeStoreError
+
+    try:
+        store = MooncakeStore.connect(args.master, lookup_only=True) if config is None \
+            else MooncakeStore.lookup_client(config)
+    except (ImportError, MooncakeStoreError) as exc:
+        print(f"mooncake_keys explain: cannot reach the master: {exc}", file=sys.stderr)
+        return 1
+    with store:
+        report = LookupEngine.for_deployment(dep, store=store).explain(num_tokens, hashes, skip_tokens=args.skip_tokens)
+    print(report.format())
+    if args.plot:
+        from ..bench.explain import heat_map
+
+        print(f"plot: {heat_map(report, args.plot)}")
+    return 0
