@@ -34,7 +34,7 @@ def pytest_configure(config):
         return
     import shutil
 
-    missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis", "matplotlib")
+    missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis", "matplotlib", "prometheus_client")
                if _find_spec(name) is None]
     missing += [f"{exe} (executable)" for exe in ("etcd",) if shutil.which(exe) is None]
     if missing:
