@@ -14,6 +14,7 @@ and the reason is logged once and reported in the metrics.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -145,6 +146,24 @@ def block_hashes_from_vllm(block_hashes: Any) -> Any:
     return BlockHashes.from_blob(memoryview(blob)[: n * hash_len], hash_len)
 
 
+#: Model directory names that say nothing of the model: another deployment may well use one.
+_GENERIC_NAME = re.compile(r"(model|models|merged|output|outputs|final|hf|weights|ckpt|checkpoint|latest|best|"
+                           r"main|export|snapshot|base|chat|instruct)?([-_.]?(checkpoint|ckpt|step|epoch|iter)?"
+                           r"[-_.]?\d*)", re.IGNORECASE)
+
+
+def warn_if_keys_may_collide(model_name: str, cache_prefix: str) -> None:
+    """One warning when this deployment's keys may be another's: vLLM names keys by the model
+    path's last component, so two models in folders of the same name share keys (one loads the
+    other's KV) unless ``cache_prefix`` tells them apart. The keys stay vLLM's either way."""
+    if cache_prefix or not _GENERIC_NAME.fullmatch(model_name):
+        return
+    log_once(logging.WARNING, "mooncake_keys: the store keys of this deployment start with the model folder name "
+             "%r and no cache_prefix: another model saved from a folder of that name would share its keys and load "
+             "the wrong KV; set \"cache_prefix\" in kv_connector_extra_config to tell deployments apart "
+             "(docs/vllm.md, \"Keys shared between deployments\")", model_name)
+
+
 class FastLookup:
     """A worker's ``lookup`` answered by a :class:`LookupEngine`, in vLLM's result types. With
     a ``handshake_token`` it also answers the scheduler's handshake lookup (:mod:`.handshake`)."""
@@ -201,6 +220,7 @@ def accelerate_worker(worker: Any, *, strategy: str = "rounds") -> bool:
         stats_appender(worker)(FALLBACK, fallback_row(str(exc)))
         return False
     engine.observer = recorder(stats_appender(worker), "worker")
+    warn_if_keys_may_collide(engine.deployment.model_name, engine.deployment.cache_prefix)
     worker.lookup = FastLookup(engine, worker.lookup)
     logger.info("mooncake_keys: Mooncake lookups of this worker run in mooncake_keys (vLLM %s contract, %s core, "
                 "strategy %s)", contract, "compiled" if engine.deployment.core.__name__.endswith("_c") else "pure Python",

@@ -48,6 +48,10 @@ def answers(worker, requests, stores):
     return out
 
 
+#: Over every batch: deployments accelerated and compared.
+ACCELERATED = [0]
+
+
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_accelerated_worker_answers_as_vllm(batch):
     accelerated = 0
@@ -103,6 +107,22 @@ def test_accelerated_worker_answers_as_vllm(batch):
         finally:
             vllm_workers.release(worker)
     assert accelerated >= (CASES // BATCHES) // 2
+    ACCELERATED[0] += accelerated
+
+
+def test_the_count_of_deployments_accelerated_is_reported():
+    """Every deployment vLLM accepted was accelerated (the batches assert it); the count goes to
+    ``MK_VLLM_REPORT`` (JSON lines) when it is set."""
+    assert ACCELERATED[0] > 0
+    report = os.environ.get("MK_VLLM_REPORT")
+    if report:
+        import json
+
+        from mooncake_keys.lookup import _core
+
+        with open(report, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"release": vllm_workers.VLLM_VERSION, "core": "c" if _core.ACCELERATED else "py",
+                                "test": "dropin", "accelerated": ACCELERATED[0]}) + "\n")
 
 
 @pytest.mark.parametrize("group", [
@@ -206,3 +226,18 @@ def test_the_lookup_strategy_comes_from_the_connector_config():
     vllm_workers.release(rounds)
     with pytest.raises(ValueError, match="lookup_strategy.*must be one of"):
         vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, mk.RecordingStore(1))
+
+
+def test_a_generic_model_folder_without_a_cache_prefix_is_warned_about(caplog):
+    """vLLM names keys by the model path's last component: two models saved in folders named
+    alike share keys. The drop-in keeps vLLM's keys and says so once at start."""
+    base = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+            "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
+    with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
+        for model, extra in (("/data/run-7/checkpoint-1000", {}), ("org/Llama-3-8B", {}),
+                             ("/data/run-8/checkpoint-1000", {"cache_prefix": "run-8"})):
+            worker = vllm_workers.build_worker({**base, "model": model, **extra}, mk.RecordingStore(1))
+            assert isinstance(worker.lookup, FastLookup)
+            vllm_workers.release(worker)
+    lines = [r.getMessage() for r in caplog.records if "share its keys" in r.getMessage()]
+    assert len(lines) == 1 and "'checkpoint-1000'" in lines[0] and "cache_prefix" in lines[0]
