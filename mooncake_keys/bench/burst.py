@@ -89,7 +89,8 @@ def run_burst(burst: int = BURST, *, progress: Any = None) -> List[Dict[str, Any
                         _store(holder, worker, first.block_hashes, SYSTEM_TOKENS)
                     sched = vllm_workers.build_scheduler_connector(_cfg(connector, extra, 20 + i))
                     client = sched.connector_scheduler.client
-                    _wait_verified(client)
+                    if not vllm_workers.wait_verified(client):
+                        raise RuntimeError(f"{name}: the in-scheduler client did not verify its namespaces in 10 s")
                     if hasattr(client, "engine"):  # the scheduler's own store calls, counted
                         client.engine.store = mk.RecordingStore(client.engine.store, record_keys=False)
                     requests = [vllm_workers.make_request(f"{name}-{r}", system + [2000 + r] * OWN_TOKENS, BLOCK)
@@ -114,12 +115,6 @@ def run_burst(burst: int = BURST, *, progress: Any = None) -> List[Dict[str, Any
             else:
                 os.environ["MOONCAKE_CONFIG_PATH"] = old
     return rows
-
-
-def _wait_verified(client: Any, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while getattr(client, "verified", True) is False and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _store(holder: Any, worker: Any, block_hashes: Any, tokens: int) -> None:

@@ -52,6 +52,8 @@ def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) 
         try:
             worker = vllm_workers.build_worker(CFG, holder)
             client = vllm_workers.build_scheduler_connector(CFG).connector_scheduler.client
+            if not vllm_workers.wait_verified(client):
+                raise RuntimeError("the in-scheduler client did not verify its namespaces with rank 0 in 10 s")
             for n in hash_counts:
                 rows.append(_measure(worker, client, holder, n, repeat))
         finally:

@@ -10,7 +10,9 @@ given) and the scaling from ~10k to ~1M keys. Then, where the Mooncake
 client and ``mooncake_master`` are installed, lookups on a real master on loopback by fraction of
 the prefix stored (``mooncake_keys.bench.on_master``: one-shot, rounds, vLLM 0.33), with the
 rounds targets and a second plot, and the in-scheduler lookup against vLLM's ZMQ hop to rank 0
-(``mooncake_keys.bench.in_scheduler``, where vLLM 0.33 is installed).
+(``mooncake_keys.bench.in_scheduler``, where vLLM 0.33 is installed), and a burst of requests
+sharing a system prompt, vLLM's lookups against the in-scheduler ones, synchronous and
+asynchronous (``mooncake_keys.bench.burst``).
 """
 
 from __future__ import annotations
@@ -232,6 +234,27 @@ def run_in_scheduler_section(repeat: int, out=print) -> None:
     out(f"({time.perf_counter() - t0:.1f} s)")
 
 
+def run_burst_section(out=print) -> None:
+    """A burst of requests sharing a system prompt: vLLM's lookups against the in-scheduler ones,
+    synchronous and asynchronous (needs vLLM 0.32+ and Mooncake)."""
+    from .vllm_baseline import unavailable
+
+    missing = unavailable() or master_unavailable()
+    if missing:
+        out(f"note: no burst section in this run: {missing}")
+        return
+    from . import burst
+
+    out(f"\na burst of {burst.BURST} requests sharing a {burst.SYSTEM_TOKENS}-token system prompt, TP 4, real master "
+        "(vLLM's own connectors; scheduler-thread time per get_num_new_matched_tokens call):")
+    t0 = time.perf_counter()
+    rows = burst.run_burst()
+    out(burst.format_rows(rows))
+    for line in burst.check_targets(rows):
+        out(line)
+    out(f"({time.perf_counter() - t0:.1f} s)")
+
+
 def run_bench(repeat: int = 5, plot_path: Optional[str] = None, out=print, *, master: bool = True,
               master_plot: Optional[str] = None, quick: bool = False) -> int:
     """The whole run, printed through ``out``; the two PNG plots go to ``plot_path`` (client
@@ -266,4 +289,5 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = None, out=print, *, ma
     if master:
         run_master_section(max(3, 3 * repeat), master_plot, quick, out)
         run_in_scheduler_section(max(5, 10 * repeat), out)
+        run_burst_section(out)
     return 0

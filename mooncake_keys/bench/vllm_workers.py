@@ -104,8 +104,14 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import types
 from typing import Any
+
+# Mooncake reads its log level once, when ``mooncake.store`` is first imported, and vLLM's
+# connector modules may import it before any store of ours: keep its INFO lines out of the
+# benchmarks' and the tests' output (a value you set wins).
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch
 import vllm
@@ -852,6 +858,18 @@ def make_request(request_id: str, token_ids: list[int], hash_block_size: int) ->
         None,
         block_hasher=_kvu.get_request_block_hasher(hash_block_size, sha256),
     )
+
+
+def wait_verified(client: Any, seconds: float = 10.0) -> bool:
+    """Wait until an in-scheduler lookup client has verified its namespaces with rank 0 (the
+    check runs on a background thread; until it is done, lookups go over ZMQ). True when
+    verified (or the client has no such check), False after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while getattr(client, "verified", True) is False:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def release(worker: Any) -> None:
