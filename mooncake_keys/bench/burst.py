@@ -18,11 +18,8 @@ the same answer. Needs vLLM 0.33 (or 0.32) and the Mooncake client.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -60,81 +57,56 @@ def run_burst(burst: int = BURST, *, progress: Any = None) -> List[Dict[str, Any
     """One row per path (see the module docstring)."""
     import mooncake_keys as mk
 
-    from ..store.local_master import LocalMaster
-    from ..store.mooncake import MooncakeStore
     from . import vllm_workers
+    from .on_master import master_for_vllm
 
     vllm_workers.quiet(logging.CRITICAL)
     logging.getLogger("mooncake_keys").setLevel(logging.ERROR)
     rows: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp, LocalMaster(log_path=os.path.join(tmp, "master.log")) as master:
-        config = os.path.join(tmp, "mooncake.json")
-        with open(config, "w") as f:
-            json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": master.master_address,
-                       "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
-                       "local_buffer_size": 16 << 20}, f)
-        old = os.environ.get("MOONCAKE_CONFIG_PATH")
-        os.environ["MOONCAKE_CONFIG_PATH"] = config
-        holder = MooncakeStore.connect(master.master_address, global_segment_size=256 << 20)
-        try:
-            system = list(range(7, 7 + SYSTEM_TOKENS))
-            answers: Optional[List[int]] = None
-            for i, (name, connector, extra) in enumerate(PATHS):
-                counter = mk.RecordingStore(holder)
-                worker = vllm_workers.build_worker(_cfg(connector, extra, 20 + i), counter)
-                client = None
-                try:
-                    if i == 0:  # the system prompt stored once, by rank 0's own keys
-                        first = vllm_workers.make_request("s", system, BLOCK)
-                        _store(holder, worker, first.block_hashes, SYSTEM_TOKENS)
-                    sched = vllm_workers.build_scheduler_connector(_cfg(connector, extra, 20 + i))
-                    client = sched.connector_scheduler.client
-                    if not vllm_workers.wait_verified(client):
-                        raise RuntimeError(f"{name}: the in-scheduler client did not verify its namespaces in 10 s")
-                    if hasattr(client, "engine"):  # the scheduler's own store calls, counted
-                        client.engine.store = mk.RecordingStore(client.engine.store, record_keys=False)
-                    requests = [vllm_workers.make_request(f"{name}-{r}", system + [2000 + r] * OWN_TOKENS, BLOCK)
-                                for r in range(burst)]
-                    row = _play(name, sched.connector_scheduler, requests, counter, client)
-                    if answers is None:
-                        answers = row.pop("answers")
-                    elif row.pop("answers") != answers:
-                        raise RuntimeError(f"{name} answers differently from {PATHS[0][0]}")
-                    row["floor"] = _floor(worker, requests, answers)
-                    rows.append(row)
-                    if progress:
-                        progress(name)
-                finally:
-                    if client is not None:
-                        client.close()
-                    vllm_workers.release(worker)
-        finally:
-            holder.close()
-            if old is None:
-                os.environ.pop("MOONCAKE_CONFIG_PATH", None)
-            else:
-                os.environ["MOONCAKE_CONFIG_PATH"] = old
+    with master_for_vllm() as (_, holder):
+        system = list(range(7, 7 + SYSTEM_TOKENS))
+        answers: Optional[List[int]] = None
+        for i, (name, connector, extra) in enumerate(PATHS):
+            counter = mk.RecordingStore(holder)
+            worker = vllm_workers.build_worker(_cfg(connector, extra, 20 + i), counter)
+            client = None
+            try:
+                if i == 0:  # the system prompt stored once, by rank 0's own keys
+                    first = vllm_workers.make_request("s", system, BLOCK)
+                    _store(holder, worker, first.block_hashes, SYSTEM_TOKENS)
+                sched = vllm_workers.build_scheduler_connector(_cfg(connector, extra, 20 + i))
+                client = sched.connector_scheduler.client
+                if not vllm_workers.wait_verified(client):
+                    raise RuntimeError(f"{name}: the in-scheduler client did not verify its namespaces in 10 s")
+                if hasattr(client, "engine"):  # the scheduler's own store calls, counted
+                    client.engine.store = mk.RecordingStore(client.engine.store, record_keys=False)
+                requests = [vllm_workers.make_request(f"{name}-{r}", system + [2000 + r] * OWN_TOKENS, BLOCK)
+                            for r in range(burst)]
+                row = _play(name, sched.connector_scheduler, requests, counter, client)
+                if answers is None:
+                    answers = row.pop("answers")
+                elif row.pop("answers") != answers:
+                    raise RuntimeError(f"{name} answers differently from {PATHS[0][0]}")
+                row["floor"] = _floor(worker, requests, answers)
+                rows.append(row)
+                if progress:
+                    progress(name)
+            finally:
+                if client is not None:
+                    client.close()
+                vllm_workers.release(worker)
     return rows
 
 
 def _store(holder: Any, worker: Any, block_hashes: Any, tokens: int) -> None:
-    import ctypes
-
     from ..lookup.engine import LookupEngine
     from ..vllm.worker import deployment_of_worker
-    from .on_master import store_keys
+    from .on_master import put_keys
     from ..vllm.versions import contract_for_installed
 
     engine = LookupEngine.for_deployment(deployment_of_worker(worker, contract_for_installed() or "0.33"),
                                          store=holder)
-    keys = engine.candidate_keys(tokens, list(block_hashes))
-    buf = ctypes.create_string_buffer(64)
-    ptr = ctypes.addressof(buf)
-    holder.register_buffer(ptr, 64)
-    try:
-        store_keys(holder, keys, ptr, 64)
-    finally:
-        holder.unregister_buffer(ptr)
+    put_keys(holder, engine.candidate_keys(tokens, list(block_hashes)))
 
 
 def _play(name: str, sched: Any, requests: List[Any], counter: Any, client: Any) -> Dict[str, Any]:

@@ -11,11 +11,8 @@ agree. Needs vLLM 0.33 and the Mooncake client.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 from typing import Any, Dict, List, Sequence
 
@@ -33,21 +30,12 @@ CFG: Dict[str, Any] = {
 def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) -> List[Dict[str, Any]]:
     """One row per request size: ``hashes``, ``keys`` (one-shot keys), ``in_process_ms`` and
     ``zmq_ms`` (medians of ``repeat`` interleaved lookups), ``hit`` (tokens)."""
-    from ..store.local_master import LocalMaster
-    from ..store.mooncake import MooncakeStore
     from . import vllm_workers
+    from .on_master import master_for_vllm
 
     vllm_workers.quiet(logging.CRITICAL)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, LocalMaster(log_path=os.path.join(tmp, "master.log")) as master:
-        config = os.path.join(tmp, "mooncake.json")
-        with open(config, "w") as f:
-            json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": master.master_address,
-                       "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
-                       "local_buffer_size": 16 << 20}, f)
-        old = os.environ.get("MOONCAKE_CONFIG_PATH")
-        os.environ["MOONCAKE_CONFIG_PATH"] = config
-        holder = MooncakeStore.connect(master.master_address, global_segment_size=256 << 20)
+    with master_for_vllm() as (_, holder):
         worker = client = None
         try:
             worker = vllm_workers.build_worker(CFG, holder)
@@ -61,31 +49,17 @@ def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) 
                 client.close()
             if worker is not None:
                 vllm_workers.release(worker)
-            holder.close()
-            if old is None:
-                os.environ.pop("MOONCAKE_CONFIG_PATH", None)
-            else:
-                os.environ["MOONCAKE_CONFIG_PATH"] = old
     return rows
 
 
 def _measure(worker: Any, client: Any, holder: Any, n: int, repeat: int) -> Dict[str, Any]:
     """Three quarters of the prefix stored (every group and namespace: rank 0's own keys)."""
-    import ctypes
-
-    from .on_master import store_keys
+    from .on_master import put_keys
 
     hashes = [n.to_bytes(4, "little") + i.to_bytes(4, "little") * 7 for i in range(n)]
     engine = worker.lookup.engine
     keys = engine.candidate_keys(n * 16, hashes)
-    stored = engine.candidate_keys(n * 16 * 3 // 4, hashes)
-    buf = ctypes.create_string_buffer(64)
-    ptr = ctypes.addressof(buf)
-    holder.register_buffer(ptr, 64)
-    try:
-        store_keys(holder, stored, ptr, 64)
-    finally:
-        holder.unregister_buffer(ptr)
+    put_keys(holder, engine.candidate_keys(n * 16 * 3 // 4, hashes))
     times: Dict[str, List[float]] = {"in_process": [], "zmq": []}
     answers = set()
     for rnd in range(repeat):

@@ -19,17 +19,22 @@ All implementations must agree on every hit, or :func:`run_on_master` raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
+import os
 import statistics
+import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mooncake_keys as mk
 
 from .scenarios import STANDARD, Request, Scenario, keys_of, make_request
 
 __all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "MasterSession", "available_impls",
-           "run_on_master", "format_table", "check_targets", "plot", "store_keys"]
+           "run_on_master", "format_table", "check_targets", "plot", "store_keys", "put_keys",
+           "master_for_vllm"]
 
 #: Fractions of the prefix stored.
 HIT_FRACTIONS = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -58,6 +63,48 @@ def store_keys(holder: Any, keys: List[str], ptr: int, size: int, batch: int = 4
         failed = sum(1 for x in rc if x)
         if failed:
             raise RuntimeError(f"{failed} of {len(part)} puts failed (codes {sorted(set(rc))})")
+
+
+def put_keys(holder: Any, keys: List[str], size: int = 64) -> None:
+    """Put every key with a ``size``-byte value (a buffer registered for the call); raise on a
+    failed put."""
+    buf = ctypes.create_string_buffer(size)
+    ptr = ctypes.addressof(buf)
+    if holder.register_buffer(ptr, size) != 0:
+        raise RuntimeError("register_buffer failed")
+    try:
+        store_keys(holder, keys, ptr, size)
+    finally:
+        holder.unregister_buffer(ptr)
+
+
+@contextlib.contextmanager
+def master_for_vllm(segment_bytes: int = 256 << 20) -> Iterator[Tuple[Any, Any]]:
+    """A ``LocalMaster`` that vLLM's Mooncake connectors find (``MOONCAKE_CONFIG_PATH`` names its
+    JSON config meanwhile) and a holder client owning the store's memory: yields (master,
+    holder). Everything is undone on the way out."""
+    from ..store.local_master import LocalMaster
+    from ..store.mooncake import MooncakeStore
+
+    with tempfile.TemporaryDirectory() as tmp, LocalMaster(log_path=os.path.join(tmp, "master.log")) as master:
+        config = os.path.join(tmp, "mooncake.json")
+        with open(config, "w") as f:
+            json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": master.master_address,
+                       "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
+                       "local_buffer_size": 16 << 20}, f)
+        old = os.environ.get("MOONCAKE_CONFIG_PATH")
+        os.environ["MOONCAKE_CONFIG_PATH"] = config
+        holder = None
+        try:
+            holder = MooncakeStore.connect(master.master_address, global_segment_size=segment_bytes)
+            yield master, holder
+        finally:
+            if holder is not None:
+                holder.close()
+            if old is None:
+                os.environ.pop("MOONCAKE_CONFIG_PATH", None)
+            else:
+                os.environ["MOONCAKE_CONFIG_PATH"] = old
 
 
 def floor_keys(sc: Scenario, req: Request, stored_tokens: int, hit: int) -> int:
