@@ -25,27 +25,11 @@ from mooncake_keys.store.local_cluster import LocalCluster  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster, LocalMasterError  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore, MooncakeStoreUnavailable  # noqa: E402
 from mooncake_keys.store.process import listening_sockets  # noqa: E402
+from support.child import gone, wait_gone  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def gone(pid: int) -> bool:
-    """Dead: no such process, or a zombie (this machine's init may reap late)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def wait_gone(pids, timeout: float = 5.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if not gone(p)]
-        if not alive:
-            return []
-        time.sleep(0.02)
-    return [p for p in pids if not gone(p)]
 
 
 def start_parent(body: str) -> tuple:

@@ -26,6 +26,7 @@ from mooncake_keys.store import workdir  # noqa: E402
 from mooncake_keys.store.local_cluster import LocalCluster  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster, LocalMasterError  # noqa: E402
 from mooncake_keys.store.workdir import WorkDir, sweep_stale  # noqa: E402
+from support.child import gone, wait_gone  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TMP = tempfile.gettempdir()
@@ -33,7 +34,7 @@ TMP = tempfile.gettempdir()
 
 def ours() -> set:
     """This process's work directories in the temp dir."""
-    return {n for n in os.listdir(TMP) if n.startswith(f"mooncake_keys-") and f"-{os.getpid()}-" in n}
+    return {n for n in os.listdir(TMP) if n.startswith("mooncake_keys-") and f"-{os.getpid()}-" in n}
 
 
 def needs_etcd():
@@ -41,19 +42,6 @@ def needs_etcd():
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def wait_gone(pids, timeout: float = 10.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(not gone(p) for p in pids):
-        time.sleep(0.02)
-    return [p for p in pids if not gone(p)]
 
 
 def start_owner(body: str) -> tuple:
