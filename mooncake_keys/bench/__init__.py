@@ -6,6 +6,8 @@ asv suite and the tests.
 machine, for the tests and the benchmarks), ``vllm_baseline`` (vLLM 0.33's own lookup, where it
 is installed), ``sidebyside`` (every implementation timed in one run), ``on_master`` (lookups on
 a real ``mooncake_master`` by hit fraction), ``in_scheduler`` (the in-scheduler lookup against
-the ZMQ round trip), ``suite`` (the whole ``mooncake_keys bench`` run: the side-by-side table,
+the ZMQ round trip), ``burst`` (a burst of requests sharing a system prompt, in vLLM's scheduler),
+``engine``/``engine_run`` (vLLM's real CPU engine with a real master, in a child process),
+``explain`` (for ``mooncake_keys explain``), ``table`` (the text tables they print), ``suite`` (the whole ``mooncake_keys bench`` run: the side-by-side table,
 the sweep, the scaling, the plots) and ``demo`` (the serving workload of ``mooncake_keys
 demo``)."""

@@ -23,6 +23,8 @@ import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from .table import text_table
+
 __all__ = ["BURST", "SYSTEM_TOKENS", "OWN_TOKENS", "PATHS", "run_burst", "format_rows", "check_targets"]
 
 BURST = 64
@@ -169,14 +171,13 @@ def _floor(worker: Any, requests: List[Any], answers: List[int]) -> int:
 
 
 def format_rows(rows: Sequence[Dict[str, Any]]) -> str:
-    head = (f"{'path':20} {'steps':>5} {'calls/req':>9} {'call us med':>11} {'p99':>8} {'max':>9} "
-            f"{'burst ms':>9} {'master calls':>12} {'keys':>7} {'floor':>6} {'keys/floor':>10}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['path']:20} {r['steps']:5d} {r['calls_per_request']:9.2f} {r['call_us_median']:11.1f} "
-                     f"{r['call_us_p99']:8.1f} {r['call_us_max']:9.1f} {r['burst_ms']:9.1f} {r['master_calls']:12d} "
-                     f"{r['master_keys']:7d} {r['floor']:6d} {r['master_keys'] / max(1, r['floor']):10.2f}")
-    return "\n".join(lines)
+    return text_table(
+        [("path", "20"), ("steps", "5d"), ("calls/req", "9.2f"), ("call us med", "11.1f"), ("p99", "8.1f"),
+         ("max", "9.1f"), ("burst ms", "9.1f"), ("master calls", "12d"), ("keys", "7d"), ("floor", "6d"),
+         ("keys/floor", "10.2f")],
+        [(r["path"], r["steps"], r["calls_per_request"], r["call_us_median"], r["call_us_p99"], r["call_us_max"],
+          r["burst_ms"], r["master_calls"], r["master_keys"], r["floor"], r["master_keys"] / max(1, r["floor"]))
+         for r in rows])
 
 
 def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:

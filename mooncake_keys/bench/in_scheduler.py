@@ -16,6 +16,8 @@ import statistics
 import time
 from typing import Any, Dict, List, Sequence
 
+from .table import text_table
+
 __all__ = ["CFG", "run_in_scheduler", "format_rows"]
 
 #: The deployment: Full(16) + SWA(16, 32) on TP 2 x PP 2 (the tests' in-scheduler deployment).
@@ -76,9 +78,8 @@ def _measure(worker: Any, client: Any, holder: Any, n: int, repeat: int) -> Dict
 
 
 def format_rows(rows: Sequence[Dict[str, Any]]) -> str:
-    head = f"{'hashes':>6} {'keys':>6} {'hit':>6} {'in-process ms':>14} {'ZMQ to rank 0 ms':>17} {'ratio':>6}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['hashes']:6d} {r['keys']:6d} {r['hit']:6d} {r['in_process_ms']:14.3f} {r['zmq_ms']:17.3f} "
-                     f"{r['in_process_ms'] / r['zmq_ms']:6.2f}")
-    return "\n".join(lines)
+    return text_table(
+        [("hashes", "6d"), ("keys", "6d"), ("hit", "6d"), ("in-process ms", "14.3f"), ("ZMQ to rank 0 ms", "17.3f"),
+         ("ratio", "6.2f")],
+        [(r["hashes"], r["keys"], r["hit"], r["in_process_ms"], r["zmq_ms"], r["in_process_ms"] / r["zmq_ms"])
+         for r in rows])

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import mooncake_keys as mk
 
 from .scenarios import STANDARD, Request, Scenario, keys_of, make_request
+from .table import text_table
 
 __all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "MasterSession", "available_impls",
            "run_on_master", "format_table", "check_targets", "plot", "store_keys", "put_keys",
@@ -269,14 +270,11 @@ def _measure(sname: str, fraction: float, stored: int, req: Request, runners: Di
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
-    head = (f"{'scenario':8} {'stored':>6} {'impl':8} {'hit':>7} {'calls':>5} {'keys':>7} {'floor':>6} "
-            f"{'keys/floor':>10} {'leases':>7} {'ms':>8} {'vs oneshot':>10}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['scenario']:8} {r['fraction']:6.0%} {r['impl']:8} {r['hit']:7d} {r['calls']:5d} "
-                     f"{r['keys']:7d} {r['floor']:6d} {r['keys'] / max(1, r['floor']):10.2f} {r['leases']:7d} "
-                     f"{r['ms']:8.2f} {r['ratio_vs_oneshot']:10.3f}")
-    return "\n".join(lines)
+    return text_table(
+        [("scenario", "8"), ("stored", "6.0%"), ("impl", "8"), ("hit", "7d"), ("calls", "5d"), ("keys", "7d"),
+         ("floor", "6d"), ("keys/floor", "10.2f"), ("leases", "7d"), ("ms", "8.2f"), ("vs oneshot", "10.3f")],
+        [(r["scenario"], r["fraction"], r["impl"], r["hit"], r["calls"], r["keys"], r["floor"],
+          r["keys"] / max(1, r["floor"]), r["leases"], r["ms"], r["ratio_vs_oneshot"]) for r in rows])
 
 
 def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .scenarios import IMPLS, STANDARD, Impl, Request, build_impl, make_request, membership_answer, stub_store
+from .table import text_table
 from ..lookup import _core
 
 __all__ = ["available", "format_table", "run_standard", "sample_ns"]
@@ -168,19 +169,12 @@ def _rows(sname: str, keys: int, hits: Dict[str, int], samples: Dict[tuple, List
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
-    head = f"{'scenario':8} {'mode':5} {'impl':5} {'keys':>7} {'us/lookup':>10} {'ns/key':>8} " \
-           f"{'lookups/s':>10} {'vs vllm':>8} {'vs seed':>8} {'vs pre':>8} {'faults':>7}"
-    lines = [head, "-" * len(head)]
-
-    def ratio(x: Optional[float]) -> str:
-        return f"{x:8.3f}" if x is not None else f"{'-':>8}"
-
-    for r in rows:
-        lines.append(f"{r['scenario']:8} {r['mode']:5} {r['impl']:5} {r['keys']:7d} {r['ns_per_lookup'] / 1e3:10.1f} "
-                     f"{r['ns_per_key']:8.1f} {r['lookups_per_s']:10.1f} {ratio(r.get('ratio_vs_vllm'))} "
-                     f"{ratio(r['ratio_vs_seed'])} "
-                     f"{ratio(r['ratio_vs_pre'])} {r.get('faults_per_lookup', 0):7.1f}")
-    return "\n".join(lines)
+    return text_table(
+        [("scenario", "8"), ("mode", "5"), ("impl", "5"), ("keys", "7d"), ("us/lookup", "10.1f"), ("ns/key", "8.1f"),
+         ("lookups/s", "10.1f"), ("vs vllm", "8.3f"), ("vs seed", "8.3f"), ("vs pre", "8.3f"), ("faults", "7.1f")],
+        [(r["scenario"], r["mode"], r["impl"], r["keys"], r["ns_per_lookup"] / 1e3, r["ns_per_key"], r["lookups_per_s"],
+          r.get("ratio_vs_vllm"), r["ratio_vs_seed"], r["ratio_vs_pre"], r.get("faults_per_lookup", 0))
+         for r in rows])
 
 
 if __name__ == "__main__":
