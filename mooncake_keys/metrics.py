@@ -17,13 +17,30 @@ Extra ``labels`` (e.g. ``{"deployment": "llama-70b"}``) tell engines apart in on
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .lookup.engine import LookupEngine, LookupRecord
 
-__all__ = ["LookupMetrics", "LATENCY_BUCKETS"]
+__all__ = ["LookupMetrics", "LATENCY_BUCKETS", "COUNTERS", "LOOKUPS_DOC", "LATENCY_DOC"]
 
-#: Lookup latency buckets (seconds), as the drop-in's in vLLM.
+# The one owner of the lookup metrics' names and meanings: LookupMetrics registers them as
+# "mooncake_keys_<name>", the drop-in (mooncake_keys.vllm.metrics) as "vllm:mooncake_keys_<name>"
+# with vLLM's labels and a "side" label.
+
+#: The counters every lookup adds to: (name, documentation, the LookupRecord field it adds).
+COUNTERS: Tuple[Tuple[str, str, str], ...] = (
+    ("lookup_tokens", "Tokens asked by lookups.", "num_tokens"),
+    ("lookup_hit_tokens", "Tokens hit by lookups.", "hit_tokens"),
+    ("lookup_keys", "Keys asked of the store by lookups.", "keys"),
+    ("lookup_calls", "Store calls (rounds) made by lookups.", "calls"),
+    ("lookup_present_keys", "Keys found present by lookups (on Mooncake, read leases taken).", "present_keys"),
+    ("store_unavailable_seconds", "Seconds the store could not be asked.", "unavailable_seconds"),
+)
+#: ``lookups{outcome}``, counted one per lookup.
+LOOKUPS_DOC = "Lookups by outcome (hit, miss, fault: a store call failed and the lookup answered 0)."
+#: ``lookup_seconds``, a histogram of :attr:`LookupRecord.seconds`.
+LATENCY_DOC = "Lookup latency, from its first key to its answer."
+#: Its buckets (seconds): loopback lookups take 0.1-30 ms.
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -46,17 +63,10 @@ class LookupMetrics:
         names = list(labels)
         values = list(labels.values())
 
-        def counter(name: str, doc: str, extra: tuple = ()) -> Any:
-            return prom.Counter(f"{prefix}_{name}", doc, names + list(extra), **kw)
-
-        self._lookups = counter("lookups", "Lookups by outcome (hit, miss, fault).", ("outcome",))
-        self._tokens = counter("lookup_tokens", "Tokens asked by lookups.").labels(*values)
-        self._hit_tokens = counter("lookup_hit_tokens", "Tokens hit by lookups.").labels(*values)
-        self._keys = counter("lookup_keys", "Keys asked of the store.").labels(*values)
-        self._calls = counter("lookup_calls", "Store calls (rounds) made by lookups.").labels(*values)
-        self._present = counter("lookup_present_keys", "Keys found present (read leases taken).").labels(*values)
-        self._unavailable = counter("store_unavailable_seconds", "Seconds the store could not be asked.").labels(*values)
-        self._latency = prom.Histogram(f"{prefix}_lookup_seconds", "Lookup latency.", names,
+        self._lookups = prom.Counter(f"{prefix}_lookups", LOOKUPS_DOC, names + ["outcome"], **kw)
+        self._counters = [(prom.Counter(f"{prefix}_{name}", doc, names, **kw).labels(*values), field)
+                          for name, doc, field in COUNTERS]
+        self._latency = prom.Histogram(f"{prefix}_lookup_seconds", LATENCY_DOC, names,
                                        buckets=LATENCY_BUCKETS, **kw).labels(*values)
         self._values = values
         self.engine = engine
@@ -65,11 +75,8 @@ class LookupMetrics:
     def observe(self, rec: LookupRecord) -> None:
         """Count one lookup (the engine calls this after each)."""
         self._lookups.labels(*self._values, rec.outcome).inc()
-        self._tokens.inc(rec.num_tokens)
-        self._hit_tokens.inc(rec.hit_tokens)
-        self._keys.inc(rec.keys)
-        self._calls.inc(rec.calls)
-        self._present.inc(rec.present_keys)
-        if rec.unavailable_seconds > 0:
-            self._unavailable.inc(rec.unavailable_seconds)
+        for metric, field in self._counters:
+            value = getattr(rec, field)
+            if value > 0:
+                metric.inc(value)
         self._latency.observe(rec.seconds)

@@ -9,7 +9,8 @@ adds its own rows under :data:`LOOKUP` (one per lookup mooncake_keys answered, o
 worker or in the scheduler) and :data:`FALLBACK` (one per reason vLLM's own lookup was kept),
 and its classes (:class:`ConnectorStats`, :class:`PromMetrics`) read them beside vLLM's own.
 
-Metrics, each with vLLM's ``model_name``/``engine`` labels (sizes in tokens and keys):
+Metrics, each with vLLM's ``model_name``/``engine`` labels (sizes in tokens and keys; the names
+and meanings are :mod:`mooncake_keys.metrics`' table, shared with ``LookupMetrics``):
 
 * ``vllm:mooncake_keys_lookups_total{outcome, side}``: lookups answered, by outcome (``hit``,
   ``miss``, ``fault``: a store call failed and the lookup answered 0) and where (``worker``:
@@ -37,9 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 )
 
 from ..lookup.engine import LookupRecord
+from ..metrics import COUNTERS, LATENCY_BUCKETS, LATENCY_DOC, LOOKUPS_DOC
 
-__all__ = ["LOOKUP", "FALLBACK", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "fallback_row",
-           "recorder"]
+__all__ = ["LOOKUP", "FALLBACK", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "record_of_row",
+           "fallback_row", "recorder"]
 
 #: The stats key of the drop-in's lookup rows, and of its fallback rows.
 LOOKUP = "mooncake_keys_lookup"
@@ -49,10 +51,6 @@ OURS = (LOOKUP, FALLBACK)
 #: The most rows of one kind kept between two reads of the stats: vLLM reads them every step,
 #: but an engine that never asks (stats off) must not grow without bound; past it, rows drop.
 MAX_ROWS = 100_000
-
-#: Lookup latency buckets (seconds): loopback lookups take 0.1-30 ms.
-LATENCY_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5]
-
 
 def lookup_row(rec: LookupRecord, side: str) -> Dict[str, Any]:
     """The stats row of one lookup (``side``: "worker" or "scheduler")."""
@@ -65,6 +63,13 @@ def lookup_row(rec: LookupRecord, side: str) -> Dict[str, Any]:
         "side": side, "outcome": rec.outcome, "num_tokens": rec.num_tokens, "hit_tokens": rec.hit_tokens,
         "calls": rec.calls, "present_keys": rec.present_keys, "unavailable_seconds": rec.unavailable_seconds,
     }
+
+
+def record_of_row(row: Dict[str, Any]) -> LookupRecord:
+    """The lookup a :func:`lookup_row` describes (rows cross processes as plain dicts)."""
+    return LookupRecord(int(row["num_tokens"]), int(row["hit_tokens"]), int(row["num_keys"]), int(row["calls"]),
+                        int(row["present_keys"]), str(row["outcome"]), float(row["duration_seconds"]),
+                        float(row["unavailable_seconds"]))
 
 
 def fallback_row(reason: str) -> Dict[str, Any]:
@@ -124,21 +129,11 @@ class PromMetrics(MooncakeStorePromMetrics):
         side = labelnames + ["side"]
         counter, histogram, gauge = self._counter_cls, self._histogram_cls, self._gauge_cls
         self._lookups = counter(name="vllm:mooncake_keys_lookups_total", labelnames=labelnames + ["outcome", "side"],
-                                documentation="Lookups answered by mooncake_keys, by outcome (hit, miss, fault).")
-        self._tokens = counter(name="vllm:mooncake_keys_lookup_tokens_total", labelnames=side,
-                               documentation="Tokens asked by mooncake_keys lookups.")
-        self._hit_tokens = counter(name="vllm:mooncake_keys_lookup_hit_tokens_total", labelnames=side,
-                                   documentation="Tokens hit by mooncake_keys lookups.")
-        self._keys = counter(name="vllm:mooncake_keys_lookup_keys_total", labelnames=side,
-                             documentation="Keys asked of the store by mooncake_keys lookups.")
-        self._calls = counter(name="vllm:mooncake_keys_lookup_calls_total", labelnames=side,
-                              documentation="Store calls (rounds) made by mooncake_keys lookups.")
-        self._present = counter(name="vllm:mooncake_keys_lookup_present_keys_total", labelnames=side,
-                                documentation="Keys found present by mooncake_keys lookups (read leases taken).")
-        self._unavailable = counter(name="vllm:mooncake_keys_store_unavailable_seconds_total", labelnames=side,
-                                    documentation="Seconds the store could not be asked by mooncake_keys lookups.")
-        self._latency = histogram(name="vllm:mooncake_keys_lookup_seconds", labelnames=side, buckets=LATENCY_BUCKETS,
-                                  documentation="Latency of mooncake_keys lookups.")
+                                documentation=f"mooncake_keys: {LOOKUPS_DOC}")
+        self._counters = [(counter(name=f"vllm:mooncake_keys_{name}_total", labelnames=side,
+                                   documentation=f"mooncake_keys: {doc}"), field) for name, doc, field in COUNTERS]
+        self._latency = histogram(name="vllm:mooncake_keys_lookup_seconds", labelnames=side,
+                                  buckets=list(LATENCY_BUCKETS), documentation=f"mooncake_keys: {LATENCY_DOC}")
         self._fallback = gauge(name="vllm:mooncake_keys_fallback_info", labelnames=labelnames + ["reason"],
                                documentation="1 for each reason vLLM's own Mooncake lookup was kept.",
                                multiprocess_mode="mostrecent")
@@ -152,14 +147,12 @@ class PromMetrics(MooncakeStorePromMetrics):
         labels = list(self.per_engine_labelvalues[engine_idx])
         for r in ours.get(LOOKUP, []):
             side = labels + [str(r["side"])]
-            self._lookups.labels(*labels, str(r["outcome"]), str(r["side"])).inc()
-            self._tokens.labels(*side).inc(int(r["num_tokens"]))
-            self._hit_tokens.labels(*side).inc(int(r["hit_tokens"]))
-            self._keys.labels(*side).inc(int(r["num_keys"]))
-            self._calls.labels(*side).inc(int(r["calls"]))
-            self._present.labels(*side).inc(int(r["present_keys"]))
-            if float(r["unavailable_seconds"]) > 0:
-                self._unavailable.labels(*side).inc(float(r["unavailable_seconds"]))
-            self._latency.labels(*side).observe(float(r["duration_seconds"]))
+            rec = record_of_row(r)
+            self._lookups.labels(*labels, rec.outcome, str(r["side"])).inc()
+            for metric, field in self._counters:
+                value = getattr(rec, field)
+                if value > 0:
+                    metric.labels(*side).inc(value)
+            self._latency.labels(*side).observe(rec.seconds)
         for r in ours.get(FALLBACK, []):
             self._fallback.labels(*labels, str(r["reason"])).set(1)
