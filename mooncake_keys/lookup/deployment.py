@@ -421,20 +421,25 @@ class Deployment:
         ``num_hashes`` hashes; chunks wholly below ``skip_tokens`` are presumed."""
         span = self.span(token_len, num_hashes)
         plans = []
-        for g in range(len(self.store_groups)):
+        chunks = keys = 0
+        presumes = False
+        for g, heads in enumerate(self.heads):
             unit = self._unit(g)
             num_chunks = span // unit
             have = self.chunks_with_hash(g, span, num_hashes)
             skip = min(skip_tokens // unit, have)  # chunks wholly below skip_tokens
             positions, index = self._chunk_table(g, num_chunks)
             if positions is None:
-                plans.append(GroupPlan(num_chunks, range(skip, have), index[skip:have], range(skip)))
-                continue
-            lo, hi = bisect_left(positions, skip), bisect_left(positions, have)
-            plans.append(GroupPlan(num_chunks, positions[lo:hi], index[lo:hi], positions[:lo]))
-        return LookupPlan(span, tuple(plans), token_len, sum(len(p.asked) for p in plans),
-                          sum(len(p.asked) * len(hs) for p, hs in zip(plans, self.heads)),
-                          any(len(p.presumed) for p in plans))
+                plan = GroupPlan(num_chunks, range(skip, have), index[skip:have], range(skip))
+            else:
+                lo, hi = bisect_left(positions, skip), bisect_left(positions, have)
+                plan = GroupPlan(num_chunks, positions[lo:hi], index[lo:hi], positions[:lo])
+            plans.append(plan)
+            asked = len(plan.asked)
+            chunks += asked
+            keys += asked * len(heads)
+            presumes = presumes or len(plan.presumed) > 0
+        return LookupPlan(span, tuple(plans), token_len, chunks, keys, presumes)
 
     # ----------------------------------------------------------------------------- hits
     def hit_length(self, presence: Sequence[Presence], max_length: int, num_hashes: int, *,
