@@ -304,7 +304,8 @@ def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:
 
 
 def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
-    """Lookup time against the stored fraction, one panel per scenario; None without matplotlib."""
+    """One column per scenario, against the stored fraction: lookup time (top) and keys asked,
+    keys found present (the leases) and the floor (bottom, log scale); None without matplotlib."""
     try:
         import matplotlib
 
@@ -315,21 +316,36 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
     import os
 
     names = sorted({r["scenario"] for r in rows})
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), dpi=110, squeeze=False)
+    fig, axes = plt.subplots(2, len(names), figsize=(4.2 * len(names), 7.0), dpi=110, squeeze=False)
     styles = {"oneshot": ("o-", "mooncake_keys one-shot"), "rounds": ("s-", "mooncake_keys rounds"),
               "vllm": ("D--", "vLLM 0.33 (its own lookup)")}
-    for ax, sname in zip(axes[0], names):
+    for col, sname in enumerate(names):
+        top, bottom = axes[0][col], axes[1][col]
+        mine = [r for r in rows if r["scenario"] == sname]
         for impl, (style, label) in styles.items():
-            pts = [(r["fraction"] * 100, r["ms"]) for r in rows if r["scenario"] == sname and r["impl"] == impl]
+            pts = [r for r in mine if r["impl"] == impl]
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
-        keys = max(r["keys"] for r in rows if r["scenario"] == sname)
-        ax.set_title(f"scenario {sname} ({keys} keys one-shot)", fontsize=9)
-        ax.set_xlabel("prefix stored (%)")
-        ax.set_ylabel("ms per lookup (median)")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
+                top.plot([r["fraction"] * 100 for r in pts], [r["ms"] for r in pts], style, label=label)
+        for impl, field, style, label in (("oneshot", "keys", "o-", "keys asked, one-shot (and vLLM)"),
+                                          ("rounds", "keys", "s-", "keys asked, rounds"),
+                                          ("oneshot", "leases", "o:", "present: leases, one-shot"),
+                                          ("rounds", "leases", "s:", "present: leases, rounds"),
+                                          ("rounds", "floor", "--", "floor (keys the answer needs)")):
+            pts = [r for r in mine if r["impl"] == impl and r[field] > 0]
+            if pts:
+                bottom.plot([r["fraction"] * 100 for r in pts], [r[field] for r in pts], style, label=label,
+                            color="black" if field == "floor" else None, alpha=0.8)
+        keys = max(r["keys"] for r in mine)
+        top.set_title(f"scenario {sname} ({keys} keys one-shot)", fontsize=9)
+        top.set_ylabel("ms per lookup (median)")
+        top.set_ylim(bottom=0)
+        bottom.set_yscale("log")
+        bottom.set_ylabel("keys per lookup")
+        for ax in (top, bottom):
+            ax.set_xlabel("prefix stored (%)")
+            ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=6)
     fig.suptitle("Lookups on a real mooncake_master (loopback), one run side by side", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
