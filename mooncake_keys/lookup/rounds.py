@@ -36,6 +36,12 @@ after at most the keys of the one-shot lookup, and never asks a key twice. A loo
 than :data:`MIN_KEYS` keys is asked one-shot: it has little to save, and a hit would pay the
 extra round trips.
 
+*A store that changes between rounds*: every chunk counted present was present in every
+namespace when its round asked it. On Mooncake each key answered present is leased (10 s by
+default), so none of them can be removed or evicted before the lookup ends: the hit loads, and
+is at most the one-shot hit of the store as it is then (a chunk saved meanwhile may be missed).
+Without leases only the first holds (docs/mooncake.md, tests/test_rounds_under_change.py).
+
 Rounds work in *slots*: the positions of a group's asked chunks in the lookup plan (under a
 lookup mask not every chunk is asked), so a round is a few slices of the plan's arrays.
 """
