@@ -898,6 +898,13 @@ def release(worker: Any) -> None:
         server.thread.join(timeout=5)
         if not server.thread.is_alive():
             server.close()
+            # libzmq unlinks the ipc path again when its I/O thread closes the listener, which
+            # may come after the next worker bound the same path, leaving that worker's server
+            # unreachable (a CI run: the next test's handshake never answered). term() waits for
+            # that close, so the path is free before the next bind.
+            ctx = getattr(server, "ctx", None)
+            if ctx is not None:
+                ctx.term()
         worker.lookup_server = None
 
 

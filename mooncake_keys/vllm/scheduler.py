@@ -78,12 +78,14 @@ class SchedulerLookupClient:
         self.engine = engine
         self.store = store
         self.verified = False
+        #: Why lookups still take the ZMQ path (the handshake's last answer), None once verified.
+        self.why_not: Optional[str] = "the handshake with rank 0 has not run yet"
         self._results = VllmResults(engine)
         self._batcher: Optional[LookupBatcher] = None
         self._closed = threading.Event()
         self._lock = threading.Lock()
         if verify is None:
-            self.verified = True
+            self.verified, self.why_not = True, None
             return
         self._thread = threading.Thread(target=self._verify_loop, args=(verify,), daemon=True,
                                         name="mooncake_keys-handshake")
@@ -98,6 +100,7 @@ class SchedulerLookupClient:
                 problem = verify()
             except Exception as exc:  # noqa: BLE001 - the check must never end the scheduler
                 problem = f"{type(exc).__name__}: {exc}"
+            self.why_not = problem
             if problem is None:
                 self.verified = True
                 logger.info("mooncake_keys: lookups answered in the scheduler (rank 0's keys confirmed)")

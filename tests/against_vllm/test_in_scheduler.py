@@ -57,13 +57,6 @@ def deployment(master, tmp_path, monkeypatch):
         holder.close()
 
 
-def wait_verified(client, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not client.verified and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return client.verified
-
-
 def scheduler_client():
     connector = vllm_workers.build_scheduler_connector(CFG)
     return connector, connector.connector_scheduler.client
@@ -79,7 +72,8 @@ def test_scheduler_answers_as_rank_0_does(deployment):
     assert isinstance(worker.lookup, mv.worker.FastLookup)  # rank 0, accelerated
     connector, client = scheduler_client()
     try:
-        assert isinstance(client, SchedulerLookupClient) and wait_verified(client)
+        assert isinstance(client, SchedulerLookupClient)
+        assert vllm_workers.wait_verified(client), client.why_not
         engine = worker.lookup.engine
         rng = random.Random(3)
         asked = 0
@@ -114,7 +108,7 @@ def test_async_lookups_wait_for_nothing_and_ask_together(deployment):
     holder, worker = deployment
     connector, client = scheduler_client()
     try:
-        assert wait_verified(client)
+        assert vllm_workers.wait_verified(client), client.why_not
         engine = worker.lookup.engine
         rng = random.Random(5)
         system = [rng.randbytes(32) for _ in range(48)]
@@ -149,7 +143,7 @@ def test_a_lookup_discarded_while_pending_asks_nothing_more(deployment):
     holder, worker = deployment
     connector, client = scheduler_client()
     try:
-        assert wait_verified(client)
+        assert vllm_workers.wait_verified(client), client.why_not
         hashes = [bytes([i]) * 32 for i in range(8)]
         assert client.lookup("gone", 128, hashes, non_block=True) is None or True
         client.discard("gone")
@@ -251,7 +245,7 @@ def test_a_stale_file_of_another_rank_0_is_not_trusted(deployment):
         token = handshake.new_token()
         handshake.publish(vllm_workers.build_configs(CFG)[0], worker.lookup.engine.prefixes, token)
         worker.lookup.handshake_token = token
-        assert wait_verified(client)
+        assert vllm_workers.wait_verified(client), client.why_not
     finally:
         client.close()
 
