@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: installs what it needs, then runs the job.
 #   bash scripts/dev.sh demo    # the main job: a serving workload on the embedded default store
+#   bash scripts/dev.sh demo --vllm   # vLLM's real engine on the CPU serving prompts twice through the drop-in
 #   bash scripts/dev.sh test    # the whole test suite: both cores, real Mooncake, every vLLM release's own code
 #   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench), vLLM 0.33 beside
 #   bash scripts/dev.sh bench --engine   # vLLM's real engine on the CPU: its connector against the drop-in
@@ -259,7 +260,12 @@ given() {  # $1: an argument; the rest: the arguments given. True when it is amo
 cmd_demo() {
   install_system
   install_python mooncake
-  "$PY" -m mooncake_keys demo "$@"
+  if given --vllm "$@"; then  # vLLM's real engine: in the engine venv
+    local engine; engine=$(engine_venv)
+    "$engine/bin/python" -m mooncake_keys demo "$@"
+  else
+    "$PY" -m mooncake_keys demo "$@"
+  fi
 }
 
 cmd_bench() {

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from mooncake_keys import cli
-from mooncake_keys.bench import engine_bench, suite
+from mooncake_keys.bench import engine_bench, engine_demo, suite
 from mooncake_keys.bench.engine import MatchedCall
 
 
@@ -24,6 +24,7 @@ from mooncake_keys.bench.engine import MatchedCall
     (["bench", "--engine", "--quick", "--engine-plot", "engine.txt"], "must end in .png"),
     (["bench", "--engine", "--quick", "--engine-plot", "/proc/engine.png"], "cannot write the plot"),
     (["bench", "--engine-plot", "engine.png"], "--engine-plot is the plot of --engine"),
+    (["demo", "--vllm", "--memory"], "--vllm takes no --memory"),
 ])
 def test_bad_counts_and_paths_are_refused_before_any_work(argv, message):
     out = subprocess.run([sys.executable, "-m", "mooncake_keys", *argv], capture_output=True, text=True,
@@ -188,3 +189,27 @@ def test_the_engine_benchmarks_rows_split_one_engine_into_its_two_workloads():
     assert (burst["sched_calls"], burst["sched_steps"]) == (32, 2)
     assert burst["sched_ms_worst_step"] == pytest.approx(1.6) and burst["ttft_ms_max"] == 51.0
     assert burst["answers_ms"] == pytest.approx(32.1)
+
+
+def test_the_engine_demo_says_whether_the_tokens_were_the_same(monkeypatch, capsys):
+    def fake_demo(same):
+        def run(progress=None):
+            first = {"rows": [{"num_prompt_tokens": 8000, "num_cached_tokens": 0, "ttft_ms": 300.0, "tokens": [1]}],
+                     "metrics": {}}
+            second = {"rows": [{"num_prompt_tokens": 8000, "num_cached_tokens": 7968, "ttft_ms": 40.0,
+                                "tokens": [1 if same else 2]}],
+                      "metrics": {"vllm:mooncake_keys_lookups": [{"labels": {"side": "worker"}, "value": 1}]}}
+            return {"first": first, "second": second, "same_tokens": same}
+        return run
+
+    monkeypatch.setattr(engine_bench, "unavailable", lambda: None)
+    monkeypatch.setattr(engine_demo, "run_engine_demo", fake_demo(True))
+    assert cli.main(["demo", "--vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "same tokens: yes" in out and "7,968" in out and "answered by mooncake_keys in the second engine: 1 of 1" in out
+    monkeypatch.setattr(engine_demo, "run_engine_demo", fake_demo(False))
+    assert cli.main(["demo", "--vllm"]) == 1
+    assert "same tokens: NO" in capsys.readouterr().out
+    monkeypatch.setattr(engine_bench, "unavailable", lambda: "vLLM is not installed here")
+    assert cli.main(["demo", "--vllm"]) == 2
+    assert "bash scripts/dev.sh demo --vllm" in capsys.readouterr().err
