@@ -94,7 +94,7 @@ def _engine(args: argparse.Namespace) -> int:
             return 2
     runs = 1 + len(engine_bench.QUICK if args.quick else engine_bench.RUNS)
     print(f"vLLM's engine on the CPU: {runs} engines, one after another, each a new process on one real master "
-          f"(a cold one saves, then warm ones); about {runs * 35 // 60 + 1} minutes", flush=True)
+          f"(a cold one saves, then warm ones); about {runs * 30 // 60 + 1} minutes", flush=True)
     rows = engine_bench.measure(quick=args.quick, progress=lambda text: print(f"  {text}", file=sys.stderr,
                                                                              flush=True))
     print(engine_bench.format_table(rows))
