@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: installs what it needs, then runs the job.
 #   bash scripts/dev.sh demo    # the main job: a serving workload on the embedded default store
+#   bash scripts/dev.sh demo --vllm   # vLLM's real engine on the CPU serving prompts twice through the drop-in
 #   bash scripts/dev.sh test    # the whole test suite: both cores, real Mooncake, every vLLM release's own code
 #   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench), vLLM 0.33 beside
+#   bash scripts/dev.sh bench --engine   # vLLM's real engine on the CPU: its connector against the drop-in
 #   MOONCAKE_KEYS_SUITE_TAG=<tag> bash scripts/dev.sh leftovers   # "PID NAME" of what a suite left running
 #
 # Everything Python goes into the project venv .venv (never the system interpreter). What the
@@ -261,15 +263,31 @@ cmd_test() {
   nothing_left
 }
 
+given() {  # $1: an argument; the rest: the arguments given. True when it is among them
+  local want=$1 arg; shift
+  for arg in "$@"; do [ "$arg" = "$want" ] && return 0; done
+  return 1
+}
+
 cmd_demo() {
   install_system
   install_python mooncake
-  "$PY" -m mooncake_keys demo "$@"
+  if given --vllm "$@"; then  # vLLM's real engine: in the engine venv
+    local engine; engine=$(engine_venv)
+    "$engine/bin/python" -m mooncake_keys demo "$@"
+  else
+    "$PY" -m mooncake_keys demo "$@"
+  fi
 }
 
 cmd_bench() {
   install_system
   install_python mooncake,bench
+  if given --engine "$@"; then  # vLLM's real engine: in the engine venv
+    local engine; engine=$(engine_venv)
+    "$engine/bin/python" -m mooncake_keys bench "$@"
+    return
+  fi
   local deps pkg; deps=$(vllm_deps_venv); pkg=$(vllm_release 0.33.0)
   PYTHONPATH=$pkg "$deps/bin/python" -m mooncake_keys bench "$@"
 }

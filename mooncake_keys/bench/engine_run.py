@@ -2,14 +2,16 @@
 :mod:`mooncake_keys.bench.engine` starts.
 
 ``python -m mooncake_keys.bench.engine_run SPEC.json OUT.json``: builds ``vllm.LLM`` from the
-spec (model, connector, extra config), serves the prompts (token ids, greedy) one ``generate``
-call each or all at once, and writes per prompt the cached tokens, the generated token ids and
-the time to first token, and the metrics vLLM's own ``get_metrics`` reports (its Mooncake store
-operations and mooncake_keys' rows among them). vLLM's CPU platform starts its engine core and
-worker in processes of their own (spawned: hence the ``__main__`` guard); the time the
-scheduler spends in the connector is measured in the engine core (:mod:`.engine_timing`).
+spec (model, connector, extra config), serves the prompts (token ids, greedy) in batches, one
+``generate`` call each (one prompt per batch, all in one, or the sizes in ``batches``), and
+writes per prompt the cached tokens, the generated token ids and the time to first token, and
+the metrics vLLM's own ``get_metrics`` reports (its Mooncake store operations and mooncake_keys'
+rows among them), as they stand after each batch (with its start and end, wall-clock seconds)
+and at the end. vLLM's CPU platform starts its engine core and worker in processes of their own
+(spawned: hence the ``__main__`` guard); the time the scheduler spends in the connector is
+measured in the engine core (:mod:`.engine_timing`).
 
-With ``pause_after`` the child writes ``<OUT>.paused`` after that many prompts and waits for
+With ``pause_after`` the child writes ``<OUT>.paused`` after that many batches and waits for
 ``<OUT>.go`` (a test kills the master meanwhile).
 """
 
@@ -40,6 +42,19 @@ def _metrics(llm: Any) -> Dict[str, List[Dict[str, Any]]]:
     return out
 
 
+def _batches(spec: Dict[str, Any]) -> List[List[List[int]]]:
+    """The prompts in the batches the spec asks for (``batches``: their sizes, in order)."""
+    prompts = spec["prompts"]
+    sizes = spec.get("batches") or ([len(prompts)] if spec.get("together") else [1] * len(prompts))
+    if sum(sizes) != len(prompts) or min(sizes) < 1:
+        raise ValueError(f"batches {sizes} do not split {len(prompts)} prompts")
+    out, i = [], 0
+    for n in sizes:
+        out.append(prompts[i:i + n])
+        i += n
+    return out
+
+
 def main(spec_path: str, out_path: str) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -65,30 +80,32 @@ def main(spec_path: str, out_path: str) -> int:
     llm = LLM(**kwargs)
     t_init = time.perf_counter() - t0
     sampling = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
-    prompts = spec["prompts"]
     rows: List[Dict[str, Any]] = []
+    batches: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
-    batches = [prompts] if spec.get("together") else [[p] for p in prompts]
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(_batches(spec)):
         if spec.get("pause_after") is not None and i == spec["pause_after"]:
             open(out_path + ".paused", "w").close()
             deadline = time.monotonic() + 120
             while not os.path.exists(out_path + ".go") and time.monotonic() < deadline:
                 time.sleep(0.05)
+        start = time.time()
         t1 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], sampling, use_tqdm=False)
         wall = time.perf_counter() - t1
+        end = time.time()
         for out in outs:
             m = out.metrics
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
             rows.append({"num_prompt_tokens": len(out.prompt_token_ids), "num_cached_tokens": out.num_cached_tokens,
                          "ttft_ms": round(ttft * 1e3, 2) if ttft is not None else None,
                          "wall_ms": round(wall * 1e3, 2), "tokens": list(out.outputs[0].token_ids)})
+        time.sleep(0.3)  # the batch's last stats reach the front end
+        llm.llm_engine.do_log_stats()
+        batches.append({"start": start, "end": end, "metrics": _metrics(llm)})
     t_prompts = time.perf_counter() - t0
-    time.sleep(0.3)  # the last step's stats reach the front end
-    llm.llm_engine.do_log_stats()
-    metrics = _metrics(llm)
-    result = {"rows": rows, "metrics": metrics, "import_s": t_import, "init_s": t_init, "prompts_s": t_prompts,
+    result = {"rows": rows, "metrics": batches[-1]["metrics"] if batches else _metrics(llm), "batches": batches,
+              "import_s": t_import, "init_s": t_init, "prompts_s": t_prompts,
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(result, f)

