@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .engine import EngineRun, EngineStore, engine_missing, metric_total, prompts, run_engine, tiny_model
+from .table import text_table
 
 __all__ = ["Run", "COLD", "RUNS", "QUICK", "WORKLOADS", "unavailable", "measure", "format_table", "hit_notes",
            "plot"]
@@ -175,24 +176,20 @@ def _answered_by(total: Callable[..., float]) -> str:
     return "vLLM rank 0"
 
 
-#: (heading, row key, format) of the table's columns after the workload and the run.
-COLUMNS = (("answered by", "answered_by", "{}"), ("cached", "cached_tokens", "{:,}"),
-           ("TTFT med ms", "ttft_ms_median", "{:.1f}"), ("TTFT max ms", "ttft_ms_max", "{:.1f}"),
-           ("answers ms", "answers_ms", "{:.1f}"), ("sched calls", "sched_calls", "{}"),
-           ("sched ms", "sched_ms", "{:.2f}"), ("us/call", "sched_us_per_call", "{:.0f}"),
-           ("steps", "sched_steps", "{}"), ("worst step ms", "sched_ms_worst_step", "{:.2f}"),
-           ("master calls", "master_calls", "{}"), ("master keys", "master_keys", "{:,}"))
+#: (heading, row key, format spec) of the table's columns (:func:`~mooncake_keys.bench.table.text_table`).
+COLUMNS = (("workload", "workload", "12"), ("run", "run", "26"), ("answered by", "answered_by", "12"),
+           ("cached", "cached_tokens", "7,d"), ("TTFT med ms", "ttft_ms_median", "11.1f"),
+           ("TTFT max ms", "ttft_ms_max", "11.1f"), ("answers ms", "answers_ms", "10.1f"),
+           ("sched calls", "sched_calls", "11d"), ("sched ms", "sched_ms", "8.2f"),
+           ("us/call", "sched_us_per_call", "7,.0f"), ("steps", "sched_steps", "5d"),
+           ("worst step ms", "sched_ms_worst_step", "13.2f"), ("master calls", "master_calls", "12d"),
+           ("master keys", "master_keys", "11,d"))
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     """The rows as a text table, one line per run and workload."""
-    head = ["workload", "run"] + [c[0] for c in COLUMNS]
-    body = [[r["workload"], r["run"]] + [fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in rows]
-    widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-             for line in [head] + body]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return text_table([(title, spec) for title, _, spec in COLUMNS],
+                      ([r[key] for _, key, _ in COLUMNS] for r in rows))
 
 
 def hit_notes(rows: Sequence[Dict[str, Any]]) -> List[str]:

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from .engine import EngineRun, EngineStore, metric_total, prompts, run_engine, tiny_model
+from .table import text_table
 
 __all__ = ["DEMO_PROMPTS", "run_engine_demo", "format_report"]
 
@@ -57,10 +58,11 @@ def run_engine_demo(progress: Optional[Callable[[str], None]] = None) -> Dict[st
 
 def format_report(out: Dict[str, Any]) -> List[str]:
     """The demo's report: a line per prompt, who answered the lookups, and ``same tokens``."""
-    lines = [f"{'prompt':>6}  {'tokens':>6}  {'cached 1st':>10}  {'cached 2nd':>10}  {'TTFT 1st':>9}  {'TTFT 2nd':>9}"]
-    for i, (a, b) in enumerate(zip(out["first"]["rows"], out["second"]["rows"]), 1):
-        lines.append(f"{i:>6}  {a['num_prompt_tokens']:>6,}  {a['num_cached_tokens']:>10,}  {b['num_cached_tokens']:>10,}  "
-                     f"{a['ttft_ms']:>6.0f} ms  {b['ttft_ms']:>6.0f} ms")
+    columns = (("prompt", "6d"), ("tokens", "6,d"), ("cached 1st", "10,d"), ("cached 2nd", "10,d"),
+               ("TTFT 1st ms", "11.0f"), ("TTFT 2nd ms", "11.0f"))
+    rows = ((i, a["num_prompt_tokens"], a["num_cached_tokens"], b["num_cached_tokens"], a["ttft_ms"], b["ttft_ms"])
+            for i, (a, b) in enumerate(zip(out["first"]["rows"], out["second"]["rows"]), 1))
+    lines = text_table(columns, rows).splitlines()
     second = out["second"]
     ours = metric_total(second, "vllm:mooncake_keys_lookups")
     lines.append(f"lookups answered by mooncake_keys in the second engine: {ours:.0f} of {len(second['rows'])} "
