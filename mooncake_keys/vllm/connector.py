@@ -12,7 +12,9 @@ In ``kv_connector_extra_config``: ``"lookup_strategy"`` is the engine's strategy
 ``"rounds"`` (default: only the keys the answer needs) or ``"oneshot"`` (vLLM's very keys, one
 call); ``"lookup_in_scheduler": true`` makes the scheduler answer lookups itself
 (:mod:`.scheduler`), then vLLM's own ``"lookup_async": true`` makes them asynchronous and
-coalesced. The drop-in's log lines join vLLM's log stream (:mod:`.logs`) and its metrics
+coalesced. With ``"lookup_async": true`` a request whose blocks another request is loading waits
+for that load instead of loading them again (:mod:`mooncake_keys.lookup.shared_loads`; ``"share_loads": false`` turns
+that off). The drop-in's log lines join vLLM's log stream (:mod:`.logs`) and its metrics
 vLLM's (:mod:`.metrics`).
 """
 
@@ -27,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
 from ..lookup.engine import STRATEGIES
+from ..lookup.shared_loads import SharedLoads
 from .handshake import handshake_path, new_token, publish
 from .logs import join_vllm_logging
 from .mapping import Unsupported
@@ -35,7 +38,7 @@ from .scheduler import SchedulerLookupClient, check_rank0, scheduler_deployment
 from .versions import contract_for_installed
 from .worker import RecordedStore, accelerate_worker, log_once
 
-__all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER", "LOOKUP_STRATEGY"]
+__all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER", "LOOKUP_STRATEGY", "SHARE_LOADS"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 
@@ -43,6 +46,9 @@ logger = logging.getLogger("mooncake_keys.vllm")
 LOOKUP_IN_SCHEDULER = "lookup_in_scheduler"
 #: The ``kv_connector_extra_config`` key of the lookup strategy.
 LOOKUP_STRATEGY = "lookup_strategy"
+#: The ``kv_connector_extra_config`` switch of :mod:`.shared_loads` (default true; it acts only
+#: where vLLM's ``lookup_async`` and ``load_async`` are both on).
+SHARE_LOADS = "share_loads"
 
 
 class FastMooncakeStoreConnector(MooncakeStoreConnector):
@@ -52,6 +58,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         self._handshake: Optional[str] = None  # vLLM's __del__ calls shutdown() even after a failed __init__
         self._sched_stats: Optional[ConnectorStats] = None
         self._sched_lock = threading.Lock()
+        self._shared_loads: Optional[SharedLoads] = None
         join_vllm_logging()  # first: what follows logs in vLLM's stream
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._strategy = extra.get(LOOKUP_STRATEGY, "rounds")
@@ -60,9 +67,16 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
                              f"got {self._strategy!r}")
         super().__init__(vllm_config, role, kv_cache_config)
         self._in_scheduler = bool(extra.get(LOOKUP_IN_SCHEDULER, False))
+        share = extra.get(SHARE_LOADS, True)
+        if not isinstance(share, bool):
+            raise ValueError(f"kv_connector_extra_config[{SHARE_LOADS!r}] must be true or false, got {share!r}")
         if role == KVConnectorRole.SCHEDULER:
-            if self._in_scheduler and self.connector_scheduler is not None:
+            sched = self.connector_scheduler
+            if self._in_scheduler and sched is not None:
                 self._lookup_in_scheduler(vllm_config)
+            if share and sched is not None and getattr(sched, "lookup_async", False) \
+                    and getattr(sched, "load_async", False):
+                self._shared_loads = SharedLoads(int(sched._hash_block_size))
             return
         worker = self.connector_worker
         if worker is None or vllm_config.parallel_config.rank != 0:
@@ -98,6 +112,33 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         path = handshake_path(vllm_config)
         sched.client = SchedulerLookupClient(sched.client, engine, store,
                                              verify=lambda: check_rank0(path, vllm_config, engine))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        """vLLM's, except that a request whose next block another request is loading stays
+        pending (``(None, False)``, asked again next step) until that load lands."""
+        shared = self._shared_loads
+        if shared is not None and request.block_hashes \
+                and shared.waits(request.request_id, request.block_hashes, num_computed_tokens):
+            return None, False
+        answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if shared is not None and answer[0] and answer[1]:  # tokens to load, asynchronously
+            shared.loading(request.request_id, request.block_hashes, num_computed_tokens, answer[0])
+        return answer
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self._shared_loads is not None:
+            self._shared_loads.step(connector_output.finished_recving or ())
+
+    def request_finished(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._shared_loads is not None:
+            self._shared_loads.finished([request.request_id])
+        return super().request_finished(request, *args, **kwargs)
+
+    def request_finished_all_groups(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._shared_loads is not None:
+            self._shared_loads.finished([request.request_id])
+        return super().request_finished_all_groups(request, *args, **kwargs)
 
     def _append(self, operation: str, row: Dict[str, Any]) -> None:
         """Add a row to the scheduler side's stats (vLLM asks for them every step)."""

@@ -15,6 +15,9 @@ import pytest
 from mooncake_keys.bench.engine import EngineRun, EngineStore, metric_total, prompts, run_engine, tiny_model
 
 PROMPTS = prompts(11, [1000, 680, 520, 900])
+#: Eight requests sharing a 1,024-token system prompt, 256 tokens of their own each.
+SYSTEM_TOKENS, OWN_TOKENS, BURST_BLOCK = 1024, 256, 32
+BURST = prompts(22, [OWN_TOKENS] * 8, shared=prompts(21, [SYSTEM_TOKENS])[0])
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +88,23 @@ def test_lookups_in_the_scheduler(model, baseline, store, async_, core):
     assert_the_drop_in_answered(ours, "scheduler", len(PROMPTS))
     assert "lookups answered in the scheduler" in ours["log"]
     assert f"{core} core" in ours["log"]
+
+
+def test_a_burst_sharing_a_prefix_loads_it_once(model):
+    """Asynchronous lookups in the scheduler answer the burst together; a request whose next
+    block another request is loading waits for that load (share_loads, the default), then finds
+    the shared prefix in vLLM's own prefix cache: the store serves it once, not once per request
+    (vLLM's keys per block here: one)."""
+    spec = dict(block_size=BURST_BLOCK, max_num_seqs=len(BURST), together=True)
+    extra = {"lookup_in_scheduler": True, "lookup_async": True}
+    with EngineStore() as s:
+        cold = run_engine(EngineRun(model, "vllm", BURST, **spec), s)
+        ours = run_engine(EngineRun(model, "fast", BURST, extra=extra, **spec), s)
+    assert tokens(ours) == tokens(cold)
+    assert all(c >= SYSTEM_TOKENS for c in cached(ours)), cached(ours)
+    loaded = metric_total(ours, "vllm:mooncake_store_operation_keys", operation="load_get")
+    prefix, own = SYSTEM_TOKENS // BURST_BLOCK, len(BURST) * OWN_TOKENS // BURST_BLOCK
+    assert 0 < loaded <= 2 * prefix + own, (loaded, prefix, own)  # without sharing: 8 x (32 + 7) = 312
 
 
 def test_a_master_killed_mid_run_leaves_the_engine_serving(model, baseline):
