@@ -228,6 +228,25 @@ def test_the_lookup_strategy_comes_from_the_connector_config():
         vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, mk.RecordingStore(1))
 
 
+def test_share_loads_is_on_where_vllm_asks_asynchronously_and_loads_asynchronously():
+    """The scheduler-side connector holds a SharedLoads (of vLLM's hash block size) only with
+    vLLM's lookup_async and load_async, unless share_loads is false; anything but a bool is
+    refused at start."""
+    base = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+            "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True}
+    for extra, on in (({}, False), ({"lookup_async": True}, True), ({"lookup_async": True, "load_async": False}, False),
+                      ({"lookup_async": True, "share_loads": False}, False), ({"share_loads": True}, False)):
+        connector = vllm_workers.build_scheduler_connector({**base, "extra_config": extra})
+        try:
+            shared = connector._shared_loads
+            assert (shared is not None) is on, extra
+            assert shared is None or shared.hash_block_tokens == connector.connector_scheduler._hash_block_size == 16
+        finally:
+            connector.connector_scheduler.client.close()
+    with pytest.raises(ValueError, match="share_loads.*must be true or false"):
+        vllm_workers.build_scheduler_connector({**base, "extra_config": {"lookup_async": True, "share_loads": "yes"}})
+
+
 def test_a_generic_model_folder_without_a_cache_prefix_is_warned_about(caplog):
     """vLLM names keys by the model path's last component: two models saved in folders named
     alike share keys. The drop-in keeps vLLM's keys and says so once at start."""
