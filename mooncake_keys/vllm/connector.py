@@ -117,13 +117,25 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         """vLLM's, except that a request whose next block another request is loading stays
         pending (``(None, False)``, asked again next step) until that load lands."""
         shared = self._shared_loads
-        if shared is not None and request.block_hashes \
-                and shared.waits(request.request_id, request.block_hashes, num_computed_tokens):
-            return None, False
+        try:
+            if shared is not None and request.block_hashes \
+                    and shared.waits(request.request_id, request.block_hashes, num_computed_tokens):
+                return None, False
+        except Exception as exc:  # noqa: BLE001 - never the scheduler's end: vLLM's behaviour instead
+            self._stop_sharing(exc)
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        shared = self._shared_loads
         if shared is not None and answer[0] and answer[1]:  # tokens to load, asynchronously
-            shared.loading(request.request_id, request.block_hashes, num_computed_tokens, answer[0])
+            try:
+                shared.loading(request.request_id, request.block_hashes, num_computed_tokens, answer[0])
+            except Exception as exc:  # noqa: BLE001
+                self._stop_sharing(exc)
         return answer
+
+    def _stop_sharing(self, exc: BaseException) -> None:
+        self._shared_loads = None
+        log_once(logging.WARNING, "mooncake_keys: share_loads is off for this engine (%s: %s); requests "
+                 "load what they hit, as with vLLM's connector", type(exc).__name__, exc)
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)

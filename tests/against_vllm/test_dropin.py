@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,7 +229,7 @@ def test_the_lookup_strategy_comes_from_the_connector_config():
         vllm_workers.build_worker({**base, "extra_config": {"lookup_strategy": "fast"}}, mk.RecordingStore(1))
 
 
-def test_share_loads_is_on_where_vllm_asks_asynchronously_and_loads_asynchronously():
+def test_share_loads_is_on_where_vllm_asks_asynchronously_and_loads_asynchronously(caplog):
     """The scheduler-side connector holds a SharedLoads (of vLLM's hash block size) only with
     vLLM's lookup_async and load_async, unless share_loads is false; anything but a bool is
     refused at start."""
@@ -243,6 +244,20 @@ def test_share_loads_is_on_where_vllm_asks_asynchronously_and_loads_asynchronous
             assert shared is None or shared.hash_block_tokens == connector.connector_scheduler._hash_block_size == 16
         finally:
             connector.connector_scheduler.client.close()
+    # Whatever goes wrong in the policy, the scheduler goes on with vLLM's behaviour and a log line.
+    connector = vllm_workers.build_scheduler_connector({**base, "extra_config": {"lookup_async": True}})
+    try:
+        odd = SimpleNamespace(request_id="r", block_hashes=[bytearray(16)], num_tokens=1)  # unhashable
+        ours = logging.getLogger("mooncake_keys")  # it may not propagate: inside vLLM it joins vLLM's stream
+        ours.addHandler(caplog.handler)
+        try:
+            with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
+                assert connector.get_num_new_matched_tokens(odd, 0) == (0, False)
+        finally:
+            ours.removeHandler(caplog.handler)
+        assert connector._shared_loads is None and "share_loads is off for this engine" in caplog.text
+    finally:
+        connector.connector_scheduler.client.close()
     with pytest.raises(ValueError, match="share_loads.*must be true or false"):
         vllm_workers.build_scheduler_connector({**base, "extra_config": {"lookup_async": True, "share_loads": "yes"}})
 
