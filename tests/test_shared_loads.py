@@ -62,6 +62,27 @@ def test_a_hold_ends_after_hold_s_and_a_load_never_reported_is_forgotten():
     assert len(s) == 0 and not s.waits("c", SYSTEM, 0)
 
 
+def test_each_wait_is_reported_once_when_the_request_goes_on():
+    clock = Clock()
+    waits = []
+    s = SharedLoads(16, hold_s=1.0, clock=clock, on_wait=lambda seconds, expired: waits.append((seconds, expired)))
+    s.loading("a", SYSTEM, 0, 64)
+    assert not s.waits("a", SYSTEM, 0) and waits == []  # never held: nothing to report
+    assert s.waits("b", SYSTEM, 0) and s.waits("c", SYSTEM, 0)
+    clock.now += 0.25
+    assert s.waits("b", SYSTEM, 0)
+    s.step(["a"])
+    s.step([])  # a's blocks are vLLM's now
+    assert not s.waits("b", SYSTEM, 64) and not s.waits("b", SYSTEM, 64)
+    assert waits == [(0.25, False)]
+    s.loading("d", SYSTEM, 0, 64)
+    assert s.waits("c", SYSTEM, 0)  # c, held since the start, now waits for d's load
+    assert waits == [(0.25, False)]
+    clock.now += 1.0
+    assert not s.waits("c", SYSTEM, 0)
+    assert waits == [(0.25, False), (1.25, True)]
+
+
 def test_finished_and_aborted_requests_leave_nothing_behind():
     clock = Clock()
     s = SharedLoads(16, clock=clock)

@@ -20,7 +20,7 @@ Work per call: O(1) to decide, O(blocks loaded) once per load.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg, seconds_arg
 
@@ -35,13 +35,17 @@ class SharedLoads:
     """Which block hashes an in-flight load is bringing in, and which requests wait for them.
 
     ``hash_block_tokens``: tokens per entry of ``request.block_hashes`` (vLLM's hash block size).
+    ``on_wait(seconds, expired)`` is called when a held request goes on: after how long, and
+    whether because it waited ``hold_s`` (True) or because the load it waited for landed.
     """
 
     def __init__(self, hash_block_tokens: int, *, hold_s: float = HOLD_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_wait: Optional[Callable[[float, bool], None]] = None) -> None:
         self.hash_block_tokens = int_arg("hash_block_tokens", hash_block_tokens, min=1)
         self.hold_s = seconds_arg("hold_s", hold_s)
         self._clock = clock
+        self._on_wait = on_wait
         self._owner: Dict[bytes, str] = {}  # block hash -> the request whose load brings it in
         self._loads: Dict[str, Tuple[float, List[bytes], bool]] = {}  # request -> (started, hashes, landed)
         self._held: Dict[str, float] = {}  # request -> when it was first held
@@ -55,15 +59,20 @@ class SharedLoads:
         index = computed_tokens // self.hash_block_tokens
         owner = self._owner.get(block_hashes[index]) if index < len(block_hashes) else None
         if owner is None or owner == req_id or owner not in self._loads:
-            self._held.pop(req_id, None)
+            self._went_on(req_id, expired=False)
             return False
         now = self._clock()
         since = self._held.setdefault(req_id, now)
         if now - since >= self.hold_s:
-            self._held.pop(req_id, None)
+            self._went_on(req_id, expired=True)
             return False
         self.holds += 1
         return True
+
+    def _went_on(self, req_id: str, expired: bool) -> None:
+        since = self._held.pop(req_id, None)
+        if since is not None and self._on_wait is not None:
+            self._on_wait(self._clock() - since, expired)
 
     def loading(self, req_id: str, block_hashes: Sequence[bytes], computed_tokens: int, load_tokens: int) -> None:
         """``req_id`` loads ``load_tokens`` tokens after its ``computed_tokens``."""

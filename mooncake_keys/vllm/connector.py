@@ -33,7 +33,8 @@ from ..lookup.shared_loads import SharedLoads
 from .handshake import handshake_path, new_token, publish
 from .logs import join_vllm_logging
 from .mapping import Unsupported
-from .metrics import FALLBACK, ConnectorStats, PromMetrics, add_row, fallback_row, recorder
+from .metrics import (FALLBACK, SHARED_WAIT, ConnectorStats, PromMetrics, add_row, fallback_row, recorder,
+                      shared_wait_row)
 from .scheduler import SchedulerLookupClient, check_rank0, scheduler_deployment
 from .versions import contract_for_installed
 from .worker import RecordedStore, accelerate_worker, log_once
@@ -76,7 +77,9 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
                 self._lookup_in_scheduler(vllm_config)
             if share and sched is not None and getattr(sched, "lookup_async", False) \
                     and getattr(sched, "load_async", False):
-                self._shared_loads = SharedLoads(int(sched._hash_block_size))
+                self._shared_loads = SharedLoads(
+                    int(sched._hash_block_size),
+                    on_wait=lambda seconds, expired: self._append(SHARED_WAIT, shared_wait_row(seconds, expired)))
             return
         worker = self.connector_worker
         if worker is None or vllm_config.parallel_config.rank != 0:

@@ -22,7 +22,11 @@ and meanings are :mod:`mooncake_keys.metrics`' table, shared with ``LookupMetric
   Mooncake each took a read lease);
 * ``vllm:mooncake_keys_lookup_seconds{side}``: lookup latency (histogram);
 * ``vllm:mooncake_keys_store_unavailable_seconds_total{side}``: time the store could not be asked;
-* ``vllm:mooncake_keys_fallback_info{reason}``: 1 for each reason vLLM's own lookup was kept.
+* ``vllm:mooncake_keys_fallback_info{reason}``: 1 for each reason vLLM's own lookup was kept;
+* ``vllm:mooncake_keys_shared_load_waits_total{outcome}`` and
+  ``..._shared_load_wait_seconds_total``: requests that waited for another request's load of
+  their blocks (``share_loads``), by how the wait ended (``landed``: that load ended;
+  ``expired``: it waited the most it may, and loads itself), and the time they waited.
 
 The rows travel as plain dicts of numbers and strings (vLLM serializes them between processes);
 a lookup row also has the fields of vLLM's own rows, so vLLM's classes read it without failing.
@@ -40,13 +44,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 from ..lookup.engine import LookupRecord
 from ..metrics import COUNTERS, LATENCY_BUCKETS, LATENCY_DOC, LOOKUPS_DOC
 
-__all__ = ["LOOKUP", "FALLBACK", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "record_of_row",
-           "fallback_row", "recorder"]
+__all__ = ["LOOKUP", "FALLBACK", "SHARED_WAIT", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "record_of_row",
+           "fallback_row", "shared_wait_row", "recorder"]
 
 #: The stats key of the drop-in's lookup rows, and of its fallback rows.
 LOOKUP = "mooncake_keys_lookup"
 FALLBACK = "mooncake_keys_fallback"
-OURS = (LOOKUP, FALLBACK)
+#: The stats key of the rows of requests that waited for another request's load (share_loads).
+SHARED_WAIT = "mooncake_keys_shared_load_wait"
+OURS = (LOOKUP, FALLBACK, SHARED_WAIT)
 
 #: The most rows of one kind kept between two reads of the stats: vLLM reads them every step,
 #: but an engine that never asks (stats off) must not grow without bound; past it, rows drop.
@@ -76,6 +82,11 @@ def fallback_row(reason: str) -> Dict[str, Any]:
     """The stats row saying vLLM's own lookup was kept, and why (one line of text)."""
     return {"duration_seconds": 0.0, "num_keys": 0, "num_bytes": 0, "status": "ok", "num_failed_keys": 0,
             "reason": reason[:200]}
+
+
+def shared_wait_row(seconds: float, expired: bool) -> Dict[str, Any]:
+    """The stats row of a request that waited ``seconds`` for another request's load."""
+    return {"seconds": float(seconds), "outcome": "expired" if expired else "landed"}
 
 
 def add_row(data: Dict[str, List[Dict[str, Any]]], operation: str, row: Dict[str, Any]) -> None:
@@ -115,6 +126,11 @@ class ConnectorStats(MooncakeStoreConnectorStats):
                 "mooncake_keys_present_keys": sum(int(r["present_keys"]) for r in rows),
                 "mooncake_keys_faults": sum(1 for r in rows if r["outcome"] == "fault"),
             })
+        waits = ours.get(SHARED_WAIT, [])
+        if waits:
+            reduced["mooncake_keys_shared_load_waits"] = len(waits)
+            reduced["mooncake_keys_shared_load_wait_ms"] = round(sum(float(r["seconds"]) for r in waits)
+                                                                  * 1e3 / len(waits), 1)
         for r in ours.get(FALLBACK, []):
             reduced[f"mooncake_keys_fallback: {r['reason']}"] = 1
         return reduced
@@ -137,6 +153,15 @@ class PromMetrics(MooncakeStorePromMetrics):
         self._fallback = gauge(name="vllm:mooncake_keys_fallback_info", labelnames=labelnames + ["reason"],
                                documentation="1 for each reason vLLM's own Mooncake lookup was kept.",
                                multiprocess_mode="mostrecent")
+        self._shared_waits = counter(name="vllm:mooncake_keys_shared_load_waits_total",
+                                     labelnames=labelnames + ["outcome"],
+                                     documentation="mooncake_keys: requests that waited for another request's load "
+                                                   "of their blocks (share_loads), by how the wait ended (landed, "
+                                                   "expired).")
+        self._shared_wait_seconds = counter(name="vllm:mooncake_keys_shared_load_wait_seconds_total",
+                                            labelnames=labelnames,
+                                            documentation="mooncake_keys: seconds requests waited for another "
+                                                          "request's load of their blocks (share_loads).")
 
     def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
         if not transfer_stats_data:
@@ -156,3 +181,7 @@ class PromMetrics(MooncakeStorePromMetrics):
             self._latency.labels(*side).observe(rec.seconds)
         for r in ours.get(FALLBACK, []):
             self._fallback.labels(*labels, str(r["reason"])).set(1)
+        for r in ours.get(SHARED_WAIT, []):
+            self._shared_waits.labels(*labels, str(r["outcome"])).inc()
+            if float(r["seconds"]) > 0:
+                self._shared_wait_seconds.labels(*labels).inc(float(r["seconds"]))

@@ -15,7 +15,7 @@ import pytest
 
 import mooncake_keys as mk
 from mooncake_keys.bench import vllm_workers
-from mooncake_keys.vllm.metrics import LOOKUP
+from mooncake_keys.vllm.metrics import LOOKUP, SHARED_WAIT, add_row, shared_wait_row
 from mooncake_keys.vllm.worker import FastLookup
 
 vllm_workers.quiet(logging.CRITICAL)
@@ -64,9 +64,15 @@ def test_the_metrics_are_exact_through_vllms_own_path():
         connector_cls = mk.vllm.FastMooncakeStoreConnector
         rows = worker.kv_connector_stats.data[LOOKUP]
         assert len(rows) == 4 and {r["side"] for r in rows} == {"worker"}
-        stats = connector_cls.build_kv_connector_stats(data=copy.deepcopy(worker.kv_connector_stats.data))
+        data = copy.deepcopy(worker.kv_connector_stats.data)
+        # The scheduler side's rows of share_loads: two requests waited for a load that landed, one
+        # waited 1 s and loaded itself.
+        for seconds, expired in ((0.25, False), (0.5, False), (1.0, True)):
+            add_row(data, SHARED_WAIT, shared_wait_row(seconds, expired))
+        stats = connector_cls.build_kv_connector_stats(data=data)
         summary = stats.reduce()
         assert summary["mooncake_keys_lookups"] == 4 and summary["mooncake_keys_faults"] == 1
+        assert summary["mooncake_keys_shared_load_waits"] == 3 and summary["mooncake_keys_shared_load_wait_ms"] == 583.3
 
         vllm_config, _ = vllm_workers.build_configs(CFG)
         prom = KVConnectorProm(vllm_config, list(LABELS), {0: list(LABELS.values())})
@@ -88,6 +94,9 @@ def test_the_metrics_are_exact_through_vllms_own_path():
         assert value("vllm:mooncake_keys_lookup_present_keys_total", side="worker") == sum(k in present for k in answered)
         assert value("vllm:mooncake_keys_lookup_seconds_count", side="worker") == 4
         assert value("vllm:mooncake_keys_store_unavailable_seconds_total", side="worker") > 0  # from the fault on
+        assert value("vllm:mooncake_keys_shared_load_waits_total", outcome="landed") == 2
+        assert value("vllm:mooncake_keys_shared_load_waits_total", outcome="expired") == 1
+        assert value("vllm:mooncake_keys_shared_load_wait_seconds_total") == pytest.approx(1.75)
         # vLLM's own record of each store call is kept beside ours.
         assert len(stats.data["lookup_exists"]) == len(store.calls)
     finally:

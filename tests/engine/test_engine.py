@@ -105,6 +105,9 @@ def test_a_burst_sharing_a_prefix_loads_it_once(model):
     loaded = metric_total(ours, "vllm:mooncake_store_operation_keys", operation="load_get")
     prefix, own = SYSTEM_TOKENS // BURST_BLOCK, len(BURST) * OWN_TOKENS // BURST_BLOCK
     assert 0 < loaded <= 2 * prefix + own, (loaded, prefix, own)  # without sharing: 8 x (32 + 7) = 312
+    # The waits, on the engine's own metrics (their seconds too, but vLLM's get_metrics reads a
+    # counter as an int: under a second here).
+    assert metric_total(ours, "vllm:mooncake_keys_shared_load_waits", outcome="landed") >= 1
 
 
 def test_a_master_killed_mid_run_leaves_the_engine_serving(model, baseline):
