@@ -21,16 +21,15 @@ vLLM's (:mod:`.metrics`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
 from ..lookup.engine import STRATEGIES
 from ..lookup.shared_loads import SharedLoads
-from .handshake import handshake_path, new_token, publish
+from .handshake import handshake_path, new_token, publish, withdraw
 from .logs import join_vllm_logging
 from .mapping import Unsupported
 from .metrics import (FALLBACK, SHARED_WAIT, ConnectorStats, PromMetrics, add_row, fallback_row, recorder,
@@ -56,7 +55,8 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
     """vLLM's Mooncake store connector whose lookups run in mooncake_keys."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        self._handshake: Optional[str] = None  # vLLM's __del__ calls shutdown() even after a failed __init__
+        # (path, token) of rank 0's published handshake; vLLM's __del__ calls shutdown() even after a failed __init__
+        self._handshake: Optional[Tuple[str, str]] = None
         self._sched_stats: Optional[ConnectorStats] = None
         self._sched_lock = threading.Lock()
         self._shared_loads: Optional[SharedLoads] = None
@@ -87,7 +87,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         if accelerate_worker(worker, strategy=self._strategy) and self._in_scheduler:
             token = new_token()
             try:
-                self._handshake = publish(vllm_config, worker.lookup.engine.prefixes, token)
+                self._handshake = (publish(vllm_config, worker.lookup.engine.prefixes, token), token)
                 worker.lookup.handshake_token = token
             except OSError as exc:
                 log_once(logging.WARNING, "mooncake_keys: could not publish rank 0's lookup keys (%s): "
@@ -187,10 +187,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
 
     def shutdown(self) -> None:
         if self._handshake is not None:
-            try:
-                os.unlink(self._handshake)
-            except OSError:
-                pass
+            withdraw(*self._handshake)
             self._handshake = None
         shutdown = getattr(super(), "shutdown", None)
         if shutdown is not None:

@@ -25,7 +25,7 @@ import secrets
 import stat
 from typing import Any, Optional, Sequence, Tuple
 
-__all__ = ["MAGIC", "MAX_BYTES", "handshake_path", "publish", "read_published", "token_answer",
+__all__ = ["MAGIC", "MAX_BYTES", "handshake_path", "publish", "withdraw", "read_published", "token_answer",
            "is_handshake", "ask_rank0", "new_token"]
 
 #: The one "block hash" of a handshake lookup.
@@ -109,6 +109,22 @@ def publish(vllm_config: Any, prefixes: Sequence[Sequence[str]], token: str) -> 
             pass
         raise
     return path
+
+
+def withdraw(path: str, token: str) -> bool:
+    """Rank 0 at shutdown: remove its file at ``path`` if it still holds ``token``; True when
+    removed. A later rank 0 of the same socket path (a restarted worker, another engine of the
+    same host and port) may have published its own there since: that file is left alone. (Seen
+    in the tests: a worker collected late removed the next worker's file, and the scheduler then
+    kept the ZMQ path.)"""
+    published, _ = read_published(path)
+    if published is None or published[0] != token:
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def read_published(path: str) -> Tuple[Optional[Tuple[str, Tuple[Tuple[str, ...], ...]]], str]:

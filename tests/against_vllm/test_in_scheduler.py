@@ -250,6 +250,32 @@ def test_a_stale_file_of_another_rank_0_is_not_trusted(deployment):
         client.close()
 
 
+def test_a_rank_0_shut_down_late_leaves_a_later_rank_0s_file(deployment, monkeypatch):
+    """Rank 0 removes its file at shutdown only while it holds its own token: a worker of the
+    same socket path collected after a later one published (seen in CI: the scheduler then kept
+    the ZMQ path) leaves the later one's file, and the scheduler confirms the later one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+
+    _, worker = deployment
+    config = vllm_workers.build_configs(CFG)[0]
+    path = handshake.handshake_path(config)
+    earlier = worker._built_connector
+    assert earlier._handshake == (path, json.loads(open(path).read())["token"])
+    token = handshake.new_token()  # a later rank 0 at the same path
+    handshake.publish(config, worker.lookup.engine.prefixes, token)
+    worker.lookup.handshake_token = token
+    monkeypatch.setattr(MooncakeStoreConnector, "shutdown", lambda self: None)  # the store stays the fixture's
+    earlier.shutdown()
+    assert json.loads(open(path).read())["token"] == token
+    connector, client = scheduler_client()
+    try:
+        assert vllm_workers.wait_verified(client), client.why_not
+    finally:
+        client.close()
+    assert not handshake.withdraw(path, handshake.new_token()) and os.path.exists(path)
+    assert handshake.withdraw(path, token) and not os.path.exists(path)
+
+
 def test_a_file_or_folder_others_can_write_is_not_trusted(deployment):
     _, worker = deployment
     config = vllm_workers.build_configs(CFG)[0]
