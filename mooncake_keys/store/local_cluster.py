@@ -46,6 +46,10 @@ def find_etcd_executable() -> str:
 #: The most masters one cluster starts (each is a process with its own ports).
 MAX_MASTERS = 16
 
+#: Times etcd is started on new ports when one it was given is taken meanwhile.
+PORT_ATTEMPTS = 3
+
+
 class LocalCluster:
     """etcd and ``masters`` HA ``mooncake_master`` processes with an oplog, on loopback.
 
@@ -89,7 +93,20 @@ class LocalCluster:
         for i, master in enumerate(self.masters):
             master.log_path = Path(self.log_dir) / f"master{i}.log"
         try:
-            self._start_etcd(etcd)
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    self._start_etcd(etcd)
+                    break
+                except LocalMasterError as exc:
+                    # Ports are picked free, then bound by etcd: another process may take one in
+                    # between (seen once in CI). New ones, a few times.
+                    if "address already in use" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    self._etcd.stop()
+                    shutil.rmtree(os.path.join(self._workdir.path, "etcd-data"), ignore_errors=True)
+                    self.etcd_port = free_port()
+                    for master in self.masters:
+                        master.etcd_endpoints = f"{HOST}:{self.etcd_port}"
             for master in self.masters:
                 master.start()
             self.wait_leader(self.ready_timeout)
