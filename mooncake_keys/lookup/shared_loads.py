@@ -75,12 +75,12 @@ class SharedLoads:
             self._on_wait(self._clock() - since, expired)
 
     def loading(self, req_id: str, block_hashes: Sequence[bytes], computed_tokens: int, load_tokens: int) -> None:
-        """``req_id`` loads ``load_tokens`` tokens after its ``computed_tokens``."""
-        self._held.pop(req_id, None)
+        """``req_id`` loads ``load_tokens`` tokens after its ``computed_tokens`` (replacing a load
+        it had, and ending a hold)."""
+        self.finished([req_id])
         first = computed_tokens // self.hash_block_tokens
         last = min(len(block_hashes), (computed_tokens + load_tokens) // self.hash_block_tokens)
         hashes = list(block_hashes[first:last])
-        self.finished([req_id])
         self._loads[req_id] = (self._clock(), hashes, False)
         for h in hashes:
             self._owner.setdefault(h, req_id)
