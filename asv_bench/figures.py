@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+import benchmarks  # noqa: F401  (puts the checkout's tests/ on sys.path: the vllm column's harness)
 from mooncake_keys.bench import scenarios
 from mooncake_keys.bench import sidebyside
 

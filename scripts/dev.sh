@@ -303,8 +303,10 @@ cmd_bench() {
     "$engine/bin/python" -m mooncake_keys bench "$@"
     return
   fi
+  # tests/ on the path: the vllm column's workers are built by the checkout's harness
+  # (support.vllm_workers), which the installed package does not carry.
   local deps pkg; deps=$(vllm_deps_venv); pkg=$(vllm_release 0.33.0)
-  PYTHONPATH=$pkg "$deps/bin/python" -m mooncake_keys bench "$@"
+  PYTHONPATH=$pkg:$ROOT/tests "$deps/bin/python" -m mooncake_keys bench "$@"
 }
 
 case "${1:-}" in

@@ -2,8 +2,9 @@
 vLLM's own lookup (over ZMQ to rank 0, synchronous and asynchronous) against the drop-in's in
 the scheduler (synchronous, and asynchronous: coalesced).
 
-The deployment is built by vLLM's own code (:mod:`.vllm_workers`: rank 0's worker with its real
-ZMQ lookup server, the scheduler-side connector as the engine core builds it), on a
+The deployment is built by vLLM's own code (the checkout's harness ``support.vllm_workers``:
+rank 0's worker with its real ZMQ lookup server, the scheduler-side connector as the engine
+core builds it), on a
 ``LocalMaster`` holding the system prompt (every namespace). ``BURST`` requests arrive together
 (each the 4,096-token system prompt and 1,024 tokens of its own, TP 4); the scheduler is played
 step by step: every step asks ``get_num_new_matched_tokens`` of each request still waiting (the
@@ -13,7 +14,8 @@ thread's time per ``get_num_new_matched_tokens`` call (median, p99, max), the st
 request was answered, the master calls and keys of the burst, and the keys the answers depend
 on (every namespace of every chunk up to and including each request's first absent one: the
 shared prompt's once, and one chunk of each request's own). Every path must give every request
-the same answer. Needs vLLM 0.33 (or 0.32) and the Mooncake client.
+the same answer. Needs vLLM 0.33 (or 0.32), the Mooncake client and the harness
+(:func:`.vllm_baseline.workers`).
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ def run_burst(burst: int = BURST, *, progress: Any = None) -> List[Dict[str, Any
     """One row per path (see the module docstring)."""
     import mooncake_keys as mk
 
-    from . import vllm_workers
     from .on_master import master_for_vllm
+    from .vllm_baseline import workers
+
+    vllm_workers = workers()
 
     vllm_workers.quiet(logging.CRITICAL)
     logging.getLogger("mooncake_keys").setLevel(logging.ERROR)

@@ -3,10 +3,11 @@
 vLLM's scheduler asks rank 0 for every lookup over a ZMQ socket; with ``"lookup_in_scheduler":
 true`` the scheduler-side :class:`~mooncake_keys.vllm.FastMooncakeStoreConnector` answers
 in-process through its own lookup-only Mooncake client. This measures both paths side by side
-on one deployment built by vLLM's own code (:mod:`.vllm_workers`: rank 0's worker with
-its real ZMQ lookup server, the scheduler connector built as the engine core builds it), a
-``LocalMaster`` and a stored prefix: median ms per lookup, interleaved, and the answers must
-agree. Needs vLLM 0.33 and the Mooncake client.
+on one deployment built by vLLM's own code (the checkout's harness ``support.vllm_workers``:
+rank 0's worker with its real ZMQ lookup server, the scheduler connector built as the engine
+core builds it), a ``LocalMaster`` and a stored prefix: median ms per lookup, interleaved, and
+the answers must agree. Needs vLLM 0.33, the Mooncake client and the harness
+(:func:`.vllm_baseline.workers`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ CFG: Dict[str, Any] = {
 def run_in_scheduler(hash_counts: Sequence[int] = (64, 1024), repeat: int = 60) -> List[Dict[str, Any]]:
     """One row per request size: ``hashes``, ``keys`` (one-shot keys), ``in_process_ms`` and
     ``zmq_ms`` (medians of ``repeat`` interleaved lookups), ``hit`` (tokens)."""
-    from . import vllm_workers
     from .on_master import master_for_vllm
+    from .vllm_baseline import workers
+
+    vllm_workers = workers()
 
     vllm_workers.quiet(logging.CRITICAL)
     rows = []

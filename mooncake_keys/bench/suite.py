@@ -2,7 +2,8 @@
 
 The scenarios and baselines live in ``mooncake_keys.bench``, so the command works from an
 installed wheel: ``vllm`` is the installed vLLM 0.33's real lookup (left out, with a note,
-where vLLM 0.33 is not installed; ``bash scripts/dev.sh bench`` runs in a vLLM 0.33 venv),
+where vLLM 0.33 or the checkout's worker harness is missing; ``bash scripts/dev.sh bench``
+runs in a vLLM 0.33 venv with the harness on the path),
 ``seed`` vLLM PR #46188 and ``pre`` the code before it (re-expressed). It prints a table (ns
 per key, lookups/s, ratios), the geometric means over the standard scenarios against the
 targets, the sweep of ns per key against keys per lookup (with its PNG plot where a path is

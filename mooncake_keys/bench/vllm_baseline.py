@@ -1,27 +1,56 @@
 """vLLM 0.33's own lookup as a benchmark baseline (``impl = "vllm"``).
 
 A real ``MooncakeStoreWorker`` of the installed vLLM release, built by its own code for a
-benchmark scenario (:mod:`.vllm_workers`: only the GPU, rank and store parts
-replaced), answering on the scenario's stub store; hashes reach it as vLLM's lookup server
-hands them over (a ``BlobBlockHashes`` view of one buffer). Without vLLM 0.33 installed,
+benchmark scenario, answering on the scenario's stub store; hashes reach it as vLLM's lookup
+server hands them over (a ``BlobBlockHashes`` view of one buffer). The worker is built on a
+CPU machine by the checkout's test harness, ``support.vllm_workers``
+(``tests/support/vllm_workers.py``: only the GPU, rank and store parts replaced), which the
+installed package does not carry: ``tests/conftest.py``, ``scripts/dev.sh bench`` and the asv
+suite put ``tests/`` on ``sys.path``. Where the harness or vLLM 0.33 is missing,
 :func:`unavailable` says why and the benchmarks leave this baseline out.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from types import ModuleType
 from typing import Any, Dict, Optional
 
-__all__ = ["VllmLookup", "scenario_cfg", "unavailable"]
+__all__ = ["VllmLookup", "scenario_cfg", "unavailable", "workers", "HARNESS"]
 
 #: The vLLM release the baseline is measured against.
 RELEASE = "0.33"
+#: The harness that builds vLLM's real workers on a CPU machine (a checkout's tests/support/).
+HARNESS = "support.vllm_workers"
+NO_HARNESS = ("vLLM's workers are built by a checkout's test harness (tests/support/vllm_workers.py), "
+              "which an installed package does not carry: bash scripts/dev.sh bench, from a checkout, "
+              "measures vLLM 0.33's own lookup")
+
+
+def _harness_missing() -> bool:
+    try:  # finds the module without importing it (it imports vLLM)
+        return importlib.util.find_spec(HARNESS) is None
+    except ImportError:  # no ``support`` package on sys.path at all
+        return True
+
+
+def workers() -> ModuleType:
+    """The worker harness ``support.vllm_workers`` (importing it imports vLLM and torch);
+    ``ImportError`` saying so where it is not on ``sys.path`` (a plain install)."""
+    if _harness_missing():
+        raise ImportError(NO_HARNESS, name=HARNESS)
+    from support import vllm_workers
+
+    return vllm_workers
 
 
 def unavailable() -> Optional[str]:
     """Why vLLM's lookup cannot be the baseline here, or None when it can."""
     from importlib import metadata
 
+    if _harness_missing():
+        return NO_HARNESS
     try:
         version = metadata.version("vllm")
     except metadata.PackageNotFoundError:
@@ -29,14 +58,14 @@ def unavailable() -> Optional[str]:
     if not version.startswith(RELEASE + "."):
         return f"vLLM {version} is installed, the baseline is vLLM {RELEASE}.x"
     try:
-        from . import vllm_workers  # noqa: F401  (imports vLLM)
+        workers()
     except Exception as exc:  # noqa: BLE001 - any import failure leaves the baseline out
         return f"vLLM's Mooncake store code cannot be imported: {type(exc).__name__}: {exc}"
     return None
 
 
 def scenario_cfg(scenario: Any) -> Dict[str, Any]:
-    """The :mod:`.vllm_workers` cfg of a benchmark scenario (see ``bench.scenarios.Scenario``)."""
+    """The ``support.vllm_workers`` cfg of a benchmark scenario (see ``bench.scenarios.Scenario``)."""
     layout = scenario.layout
     groups = []
     for grp in scenario.groups:
@@ -65,8 +94,7 @@ class VllmLookup:
         reason = unavailable()
         if reason is not None:
             raise NotImplementedError(reason)
-        from . import vllm_workers
-
+        vllm_workers = workers()
         vllm_workers.quiet(logging.CRITICAL)
         self.worker = vllm_workers.build_worker(scenario_cfg(scenario), store)
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes

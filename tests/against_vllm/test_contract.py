@@ -21,7 +21,7 @@ from collections import Counter
 import pytest
 
 import mooncake_keys as mk
-from mooncake_keys.bench import vllm_workers
+from support import vllm_workers
 from support.vllm_cases import (
     Release,
     deployment_kind,

@@ -20,8 +20,8 @@ import pytest
 
 import mooncake_keys as mk
 import mooncake_keys.vllm as mv
-from mooncake_keys.bench import vllm_workers
 from mooncake_keys.vllm.worker import FastLookup
+from support import vllm_workers
 from support.vllm_cases import Release, random_cfg, random_request, random_store, same_answers
 
 vllm_workers.quiet(logging.CRITICAL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ def test_imports_change_no_environment_and_make_no_directory():
         dirs = made()
         import mooncake_keys.vllm
         assert dict(os.environ) == before, "mooncake_keys.vllm changed the environment"
-        from mooncake_keys.bench import vllm_workers
+        from support import vllm_workers
         assert dict(os.environ) == before, "vllm_workers changed the environment on import"
         assert made() == dirs and vllm_workers._workdir is None
         workdir = vllm_workers._prepare_process()
@@ -26,15 +27,18 @@ def test_imports_change_no_environment_and_make_no_directory():
         assert os.environ["VLLM_RPC_BASE_PATH"].startswith(workdir)
         print("OK")
     """)
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_HOST_IP", "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH", "HF_HUB_OFFLINE",
                         "TRANSFORMERS_OFFLINE")}
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # support.vllm_workers
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-2000:]
 
 
 def test_the_dropin_package_holds_only_production_modules():
-    """The builders of vLLM's workers live with the benchmarks, not in the package vLLM imports."""
+    """The builders of vLLM's workers live with the tests (``support.vllm_workers``), not in the
+    package vLLM imports."""
     from pathlib import Path
 
     import mooncake_keys.vllm as mv

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 import mooncake_keys.vllm as mv  # noqa: E402
-from mooncake_keys.bench import vllm_workers  # noqa: E402
+from support import vllm_workers  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore  # noqa: E402
 from mooncake_keys.vllm import handshake  # noqa: E402

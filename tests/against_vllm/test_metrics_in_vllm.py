@@ -14,7 +14,7 @@ import logging
 import pytest
 
 import mooncake_keys as mk
-from mooncake_keys.bench import vllm_workers
+from support import vllm_workers
 from mooncake_keys.vllm.metrics import LOOKUP, SHARED_WAIT, add_row, shared_wait_row
 from mooncake_keys.vllm.worker import FastLookup
 

@@ -1,6 +1,6 @@
 """Random deployments, stores and requests for the comparisons with vLLM's own lookup.
 
-``random_cfg`` draws a deployment as a plain dict that ``mooncake_keys.bench.vllm_workers.build_worker``
+``random_cfg`` draws a deployment as a plain dict that ``support.vllm_workers.build_worker``
 turns into vLLM's real worker; ``engine_for`` turns the same dict into a mooncake_keys
 ``LookupEngine``, following the mapping documented in docs/architecture.md ("From a vLLM
 config"). The mapping reads the dict, never the vLLM worker, except for a store layout: its

@@ -1,10 +1,12 @@
 """vLLM's real workers built on a CPU machine, for the tests and the benchmarks.
 
 It builds vLLM's real ``MooncakeStoreWorker`` (and the scheduler-role connector) on a machine
-without a GPU, so that tests/against_vllm/ and the ``vllm`` baseline of :mod:`.vllm_baseline`
-and :mod:`.in_scheduler` compare mooncake_keys with vLLM's own lookup (it calls vLLM, copies
-none of it). It lives with the benchmarks, not in ``mooncake_keys.vllm``: vLLM imports that
-package through ``kv_connector_module_path``, and it holds only what runs in production.
+without a GPU, so that tests/against_vllm/ and the benchmarks' vLLM columns
+(``mooncake_keys.bench.vllm_baseline``, ``in_scheduler``, ``burst``) compare mooncake_keys with
+vLLM's own lookup (it calls vLLM, copies none of it). It is a test harness, kept with the tests
+as vLLM keeps its own (``tests/v1/kv_connector/unit/utils.py``), not in the installed package:
+imported as ``support.vllm_workers`` with ``tests/`` on ``sys.path`` (``tests/conftest.py``,
+``scripts/dev.sh bench`` and ``asv_bench/benchmarks`` put it there).
 
 Importing this module imports vLLM and torch, nothing more. The first build prepares the
 process once (:func:`_prepare_process`: a few environment defaults, below, and a private temp
@@ -142,7 +144,7 @@ VLLM_VERSION: str = vllm.__version__
 VERSION_TUPLE: tuple[int, int] = tuple(int(x) for x in re.findall(r"\d+", VLLM_VERSION)[:2])  # type: ignore[assignment]
 if not (0, 25) <= VERSION_TUPLE <= (0, 33):
     logging.getLogger(__name__).warning(
-        "mooncake_keys.bench.vllm_workers supports vLLM 0.25 to 0.33; found %s",
+        "support.vllm_workers supports vLLM 0.25 to 0.33; found %s",
         VLLM_VERSION,
     )
 # What the engine core does before it builds a worker changed between releases; each switch is
