@@ -44,7 +44,7 @@ import logging
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, List, NamedTuple, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 try:
     import torch
@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
     raise ImportError("mooncake_keys.kvpool needs torch: pip install 'mooncake-keys[torch]'") from exc
 
 from ._checks import int_arg
+from .lookup.contract import DEFAULT_VLLM_COMPAT
 from .lookup.deployment import Deployment, DeploymentViews, GroupLike
 from .lookup.hashes import BlockHashes, as_block_hashes
 from .lookup.layout import Namespace, ParallelLayout
@@ -221,9 +222,10 @@ class KVPool(DeploymentViews):
     Built from a :class:`~mooncake_keys.Deployment` (:meth:`for_deployment`: for the deployment
     a :class:`~mooncake_keys.LookupEngine` is built for, the pool writes exactly the keys the
     engine asks), or from the deployment's own arguments: ``KVPool(model_name, groups, layout,
-    rank=..., kv_caches=..., store=..., hash_block_size=...)`` takes every keyword argument of
-    :class:`~mooncake_keys.Deployment` and builds the deployment itself. Partial hash hits are
-    not supported: a pool saves and loads whole chunks.
+    rank=..., kv_caches=..., store=..., hash_block_size=...)`` takes every argument of
+    :class:`~mooncake_keys.Deployment` (documented there), with its type and default, and builds
+    the deployment itself (``tests/test_signatures.py`` keeps the two signatures equal). Partial
+    hash hits are not supported: a pool saves and loads whole chunks.
 
     ``kv_caches`` holds this rank's KV-cache tensor of each store group (see the module
     docstring for the shape contract). ``store`` needs ``register_buffer``,
@@ -234,9 +236,33 @@ class KVPool(DeploymentViews):
     close a pool before its tensors are freed.
     """
 
-    def __init__(self, model_name: str, groups: Sequence[GroupLike], layout: ParallelLayout, *,
-                 rank: Tuple[int, int, int, int], kv_caches: Any, store: Any, **deployment: Any) -> None:
-        self._start(Deployment(model_name, groups, layout, **deployment), rank, kv_caches, store)
+    def __init__(
+        self,
+        model_name: str,
+        groups: Sequence[GroupLike],
+        layout: ParallelLayout,
+        *,
+        rank: Tuple[int, int, int, int],
+        kv_caches: Any,
+        store: Any,
+        # The Deployment's arguments, as Deployment.__init__ has them (a test compares the two).
+        hash_block_size: int,
+        scheduler_block_size: Optional[int] = None,
+        use_eagle: bool = False,
+        cache_prefix: str = "",
+        store_namespace: str = "",
+        partial_hash_hits: bool = False,
+        vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        allow_ambiguous_names: bool = False,
+        core: Optional[str] = None,
+    ) -> None:
+        deployment = Deployment(
+            model_name, groups, layout, hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size, use_eagle=use_eagle, cache_prefix=cache_prefix,
+            store_namespace=store_namespace, partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
+            allow_ambiguous_names=allow_ambiguous_names, core=core,
+        )
+        self._start(deployment, rank, kv_caches, store)
 
     @classmethod
     def for_deployment(cls, deployment: Deployment, *, rank: Tuple[int, int, int, int], kv_caches: Any,

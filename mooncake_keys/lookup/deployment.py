@@ -24,7 +24,6 @@ lookup asks by construction; neither reaches into the other.
 
 from __future__ import annotations
 
-import inspect
 import re
 from array import array
 from bisect import bisect_left
@@ -292,14 +291,6 @@ class Deployment:
         self._chunk_tables: List[Any] = [None] * len(self.store_groups)
         self.plan = lru_cache(maxsize=256)(self._plan)
 
-    @classmethod
-    def from_options(cls, model_name: str, groups: Sequence[GroupLike], layout: ParallelLayout,
-                     options: Dict[str, Any]) -> "Deployment":
-        """The deployment of a keyword constructor built on one (``LookupEngine(...)``,
-        ``KVPool(...)``): this class's keyword arguments are taken out of ``options``, the rest
-        are left for the caller."""
-        return cls(model_name, groups, layout, **{k: options.pop(k) for k in _KEYWORDS & options.keys()})
-
     # ----------------------------------------------------------------------------- checks
     def _check_contract(self) -> None:
         """ValueError for what the contract's vLLM release does not have, or cannot look up."""
@@ -482,8 +473,3 @@ class Deployment:
             out.append((g, boundary))
         return tuple(out)
 
-
-#: The keyword arguments of :class:`Deployment` (see :meth:`Deployment.from_options`).
-_KEYWORDS = frozenset(
-    p.name for p in inspect.signature(Deployment.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY
-)

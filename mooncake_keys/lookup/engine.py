@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg
+from .contract import DEFAULT_VLLM_COMPAT
 from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
@@ -120,10 +121,11 @@ class LookupEngine(DeploymentViews):
     ``store``.
 
     Built from a :class:`Deployment` (:meth:`for_deployment`), or from the deployment's own
-    arguments: ``LookupEngine(model_name, groups, layout, hash_block_size=..., store=...)`` takes
-    every keyword argument of :class:`Deployment` (sizes in tokens, ``vllm_compat``,
-    ``store_namespace``, ``partial_hash_hits``, ``core``, ...) beside the engine's own, and builds
-    the deployment itself.
+    arguments: ``LookupEngine(model_name, groups, layout, store=..., hash_block_size=...)`` takes
+    every argument of :class:`Deployment` (documented there: sizes in tokens, ``vllm_compat``,
+    ``store_namespace``, ``partial_hash_hits``, ``core``, ...), with its type and default, beside
+    the engine's own, and builds the deployment itself (``tests/test_signatures.py`` keeps the
+    two signatures equal).
 
     The engine's own: ``store`` is anything with ``batch_is_exist(list[str]) -> list[int]``; one
     that declares ``mutates_keys = False`` (it neither changes nor keeps the list) is handed a
@@ -137,28 +139,56 @@ class LookupEngine(DeploymentViews):
     turns either off; see :mod:`mooncake_keys.lookup.keycache`).
     """
 
-    def __init__(self, model_name: str, groups: Sequence[GroupLike], layout: ParallelLayout, *,
-                 store: Any, **options: Any) -> None:
-        self._start(Deployment.from_options(model_name, groups, layout, options), store, **options)
-
-    @classmethod
-    def for_deployment(cls, deployment: Deployment, *, store: Any, **options: Any) -> "LookupEngine":
-        """The engine of ``deployment``, asking ``store``; ``options`` are the engine's own
-        (``strategy``, ``rounds_min_keys``, ``key_cache_bytes``, ``spare_key_bytes``)."""
-        engine = cls.__new__(cls)
-        engine._start(deployment, store, **options)
-        return engine
-
-    def _start(
+    def __init__(
         self,
-        deployment: Deployment,
-        store: Any,
+        model_name: str,
+        groups: Sequence[GroupLike],
+        layout: ParallelLayout,
         *,
+        store: Any,
+        # The Deployment's arguments, as Deployment.__init__ has them (a test compares the two).
+        hash_block_size: int,
+        scheduler_block_size: Optional[int] = None,
+        use_eagle: bool = False,
+        cache_prefix: str = "",
+        store_namespace: str = "",
+        partial_hash_hits: bool = False,
+        vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        allow_ambiguous_names: bool = False,
+        core: Optional[str] = None,
+        # The engine's own, as for_deployment has them.
         strategy: str = "rounds",
         rounds_min_keys: int = ROUNDS_MIN_KEYS,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
     ) -> None:
+        deployment = Deployment(
+            model_name, groups, layout, hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size, use_eagle=use_eagle, cache_prefix=cache_prefix,
+            store_namespace=store_namespace, partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
+            allow_ambiguous_names=allow_ambiguous_names, core=core,
+        )
+        self._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes)
+
+    @classmethod
+    def for_deployment(
+        cls,
+        deployment: Deployment,
+        *,
+        store: Any,
+        strategy: str = "rounds",
+        rounds_min_keys: int = ROUNDS_MIN_KEYS,
+        key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
+        spare_key_bytes: int = DEFAULT_SPARE_BYTES,
+    ) -> "LookupEngine":
+        """The engine of ``deployment``, asking ``store``, with the engine's own arguments (see
+        the class docstring)."""
+        engine = cls.__new__(cls)
+        engine._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes)
+        return engine
+
+    def _start(self, deployment: Deployment, store: Any, strategy: str, rounds_min_keys: int,
+               key_cache_bytes: int, spare_key_bytes: int) -> None:
         if not isinstance(deployment, Deployment):
             raise TypeError(f"deployment must be a Deployment, got {type(deployment).__name__}")
         if not callable(getattr(store, "batch_is_exist", None)):
