@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import mooncake_keys as mk
 from mooncake_keys import cli
 from mooncake_keys.lookup.explain import ABSENT, ERROR, PRESENT, Explanation
+from mooncake_keys.report import text
 
 F, S, G, M, C = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.KVCacheGroup, mk.MambaSpec, mk.ChunkedLocalAttentionSpec
 #: Random cases per core (the property below); MK_EXPLAIN_EXAMPLES moves it.
@@ -134,7 +135,7 @@ def test_explain_hits_what_the_lookup_hits(impl, case):
     assert (x.fault is not None) == (faulty and bool(keys))
     if x.fault is not None:
         assert x.hit_length == 0 and all(not g.answers for g in x.groups)
-    x.format()
+    text(x)
     event("a hit" if x.hit_length else "a fault" if x.fault else "no hit")
     for cut in x.cuts:
         event(f"step: {cut.rule}")  # --hypothesis-show-statistics: every rule is met
@@ -195,11 +196,11 @@ def test_it_names_the_namespaces_short_of_the_first_missing_chunk_and_the_codes(
     assert rows["tp1 pcp0 dcp0 pp0"] == ("tp1 pcp0 dcp0 pp0", 25, 39, 0, 25)
     assert rows["tp3 pcp0 dcp0 pp1"] == ("tp3 pcp0 dcp0 pp1", 63, 0, 1, 25)
     assert rows["tp0 pcp0 dcp0 pp0"].first_not_present is None
-    text = x.format()
+    printed = text(x)
     assert "first missing: chunk 25 (token 1600): absent in tp1 pcp0 dcp0 pp0, tp1 pcp0 dcp0 pp1; " \
-           "error -900 in tp3 pcp0 dcp0 pp1" in text
-    assert "full attention (group 0): 1600 tokens present in every namespace" in text
-    assert text.endswith("hit: 1600 tokens (tail key boundaries: group 0 at 1600, group 1 at 1600)")
+           "error -900 in tp3 pcp0 dcp0 pp1" in printed
+    assert "full attention (group 0): 1600 tokens present in every namespace" in printed
+    assert printed.endswith("hit: 1600 tokens (tail key boundaries: group 0 at 1600, group 1 at 1600)")
 
 
 def _prefix_store(engine, hashes, tokens, upto):
@@ -225,7 +226,7 @@ def test_the_steps_give_each_rule_its_figures(impl):
     x = eagle.explain(1024, hashes)
     assert x.hit_length == eagle.lookup(1024, hashes) == 768
     assert [(c.rule, c.tokens) for c in x.cuts if c.rule == "eagle"] == [("eagle", 768)]
-    assert "EAGLE drops one block (groups 0, 1): 800 -> 768" in x.format()
+    assert "EAGLE drops one block (groups 0, 1): 800 -> 768" in text(x)
     stored |= _prefix_store(engine, hashes, 1024, 64)  # every key
     x = engine.explain(1024, hashes)
     assert x.hit_length == 992 and x.cuts[-2].rule == "last-token"
@@ -264,7 +265,7 @@ def test_a_store_fault_gives_no_hit_and_its_reason(impl, caplog, fault, reason):
     assert x.hit_length == 0 and x.tail_key_boundaries == ()
     assert x.fault is not None and reason in x.fault
     assert [c.rule for c in x.cuts] == ["fault"] and x.cuts[0].tokens == 0
-    assert f"store fault: {x.fault}" in x.format()
+    assert f"store fault: {x.fault}" in text(x)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("mooncake_keys")]
     assert lines == [x.fault]  # the engine's one log line, and it is the reason
     assert engine.stats().store_failures == 0  # the call was the engine's; no lookup was counted
@@ -326,7 +327,7 @@ def assert_matplotlib_png(path):
 
 def test_the_heat_map(impl, tmp_path):
     pytest.importorskip("matplotlib")
-    from mooncake_keys.bench.explain import heat_map
+    from mooncake_keys.report import heat_map
 
     rng = random.Random(3)
     hashes = [rng.randbytes(16) for _ in range(1000)]  # more chunks than columns: aggregated
@@ -339,6 +340,24 @@ def test_the_heat_map(impl, tmp_path):
     path = heat_map(x, str(tmp_path / "map.png"))
     assert path == str(tmp_path / "map.png")
     assert_matplotlib_png(path)
+
+
+def test_the_heat_map_of_many_namespaces_and_tokens_is_bounded(tmp_path):
+    """4,096 namespaces and a num_tokens far past the hashes: at most MAX_ROWS rows and
+    MAX_COLUMNS columns per group (a cell the worst of its namespaces and chunks)."""
+    pytest.importorskip("matplotlib")
+    from mooncake_keys import report
+
+    layout = mk.ParallelLayout(tp_size=4096, num_kv_heads=4096)
+    engine = mk.LookupEngine("m", [F(16)], layout, hash_block_size=16,
+                             store=mk.RecordingStore(answer=lambda keys: [0 if "@tp_rank:7@" in k else 1 for k in keys]))
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    x = engine.explain(1 << 31, hashes)
+    assert x.hit_length == 0 and x.groups[0].first_missing.absent == ("tp7 pcp0 dcp0 pp0",)
+    path = report.heat_map(x, str(tmp_path / "wide.png"))
+    with open(path, "rb") as f:
+        width, height = struct.unpack(">II", png_chunks(f.read())[0][1][:8])
+    assert height <= (1.6 + 0.22 * report.MAX_ROWS) * 110 and width <= 11 * 110
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -381,6 +400,40 @@ def test_end_to_end_on_a_real_master(clean_mooncake_store, mooncake_master, tmp_
     assert out.returncode == 0, out.stderr
     assert "lookup of 200 tokens, model 'Model-7B'" in out.stdout and out.stdout.endswith("hit: 0 tokens\n")
     assert "absent in tp0 pcp0 dcp0 pp0, tp0 pcp0 dcp0 pp1, tp1 pcp0 dcp0 pp0, tp1 pcp0 dcp0 pp1" in out.stdout
+
+
+def test_a_lookup_too_large_to_explain_is_refused_before_a_key_is_built(impl):
+    """Issue 22's L4: 10,000 hashes on 4,096 namespaces are 41 million keys; explain built them all
+    and died of a MemoryError. It now refuses them up front, naming the arguments; the lookup
+    itself (which asks in rounds, and keeps no answer) still serves them."""
+    from mooncake_keys.lookup import explain as explanation
+
+    def never(keys):
+        raise AssertionError(f"the store was asked {len(keys)} keys")
+
+    store = mk.RecordingStore(answer=never)
+    layout = mk.ParallelLayout(tp_size=4096, num_kv_heads=4096)
+    engine = mk.LookupEngine("m", [F(16)], layout, hash_block_size=16, store=store)
+    hashes = mk.BlockHashes.from_blob(bytes(range(256)) * 625, 16)  # 10,000 hashes, one buffer
+    with pytest.raises(explanation.ExplanationTooLarge,
+                       match=r"num_tokens 160000 over 10000 block_hashes asks 40,960,000 keys .*more than "
+                             r"1,048,576: explain a shorter prefix") as exc:
+        engine.explain(160_000, hashes)
+    assert isinstance(exc.value, ValueError) and store.calls == []
+    shorter = explanation.MAX_KEYS // 4096 * 16  # the longest prefix it explains here: 256 chunks
+    assert engine.plan_of(shorter, hashes).num_keys == explanation.MAX_KEYS
+    x = mk.LookupEngine.for_deployment(engine.deployment, store=mk.RecordingStore(answer=1)).explain(shorter, hashes)
+    assert x.keys_asked == explanation.MAX_KEYS and x.hit_length == shorter - 16
+
+
+def test_the_command_refuses_a_lookup_too_large_to_explain(never_connects, tmp_path, capsys):
+    path = tmp_path / "p.hashes"
+    path.write_text("".join(f"{i:032x}\n" for i in range(10_000)))
+    assert cli.main(["explain", "--model", "m", "--group", "full:16", "--tp", "4096", "--num-kv-heads", "4096",
+                     "--hashes", str(path), "--master", "127.0.0.1:1"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("mooncake_keys explain: error: too large to explain (--num-tokens, the prompt, the "
+                          "--tp/--pp/--pcp/--dcp sizes): ") and "40,960,000 keys" in err, err
 
 
 @pytest.fixture
@@ -482,9 +535,9 @@ def test_token_ids_need_vllm_else_a_pointer_to_hashes(never_connects, tmp_path, 
 
 def test_without_matplotlib_plot_is_refused_before_connecting(never_connects, prompt_file, tmp_path, capsys,
                                                                monkeypatch):
-    from mooncake_keys.bench import explain as bench_explain
+    from mooncake_keys import report
 
-    monkeypatch.setattr(bench_explain, "matplotlib_missing", lambda: "the heat map needs matplotlib: pip install x")
+    monkeypatch.setattr(report, "matplotlib_missing", lambda: "the heat map needs matplotlib: pip install x")
     assert cli.main(["explain", "--model", "m", "--group", "full:16", "--hashes", prompt_file, "--master",
                      "127.0.0.1:1", "--plot", str(tmp_path / "a.png")]) == 2
     assert "argument --plot: the heat map needs matplotlib" in capsys.readouterr().err
@@ -550,4 +603,4 @@ def test_the_docs_show_what_the_code_prints(capsys):
     stored.update(k for k in engine.candidate_keys(2048 * 64, hashes)
                   if not ("@tp_rank:2@" in k and k.rsplit("@", 1)[1] in late))
     printed = blocks[kinds.index("text")][1]
-    assert printed == engine.explain(2048 * 64, hashes).format() + "\nplot: docs/explain.png\n"
+    assert printed == text(engine.explain(2048 * 64, hashes)) + "\nplot: docs/explain.png\n"

@@ -1,9 +1,9 @@
 """The command line: ``mooncake_keys {demo,bench,explain}`` (also ``python -m mooncake_keys``).
 
 It parses arguments and prints; what runs lives in :mod:`mooncake_keys.bench` (``demo``: the
-serving workload, ``suite``: the benchmark run, ``explain``: a prompt's hashes and the heat map)
-and :mod:`mooncake_keys.lookup.explain` (the report). Each subcommand module has ``HELP``,
-``add_cli_args`` and ``main(args)``; the argument types they share are here."""
+serving workload, ``suite``: the benchmark run), :mod:`mooncake_keys.lookup.explain` (the
+explanation) and :mod:`mooncake_keys.report` (its text and heat map). Each subcommand module has
+``HELP``, ``add_cli_args`` and ``main(args)``; the argument types they share are here."""
 
 from __future__ import annotations
 

@@ -9,9 +9,18 @@ the installed vLLM's own hasher. The master is an address or vLLM's Mooncake JSO
 
 Every argument is checked (the lookup itself is run against a store double) before the master
 is asked; then it is asked once, with every key of the one-shot lookup
-(:mod:`mooncake_keys.lookup.explain`). Prints the report; ``--plot`` also draws it
-(:mod:`mooncake_keys.bench.explain`). Exit status 0 with a report (a store fault is in it), 1
-when the master cannot be reached, 2 for bad arguments.
+(:mod:`mooncake_keys.lookup.explain`). Prints the report; ``--plot`` also draws it (both
+:mod:`mooncake_keys.report`). Exit status 0 with a report (a store fault is in it), 1 when the
+master cannot be reached, 2 for bad arguments, 3 when the lookup asks more keys than an
+explanation keeps (``lookup.explain.MAX_KEYS``; a shorter ``--num-tokens`` can be explained),
+before anything is built.
+
+:func:`vllm_block_hashes` turns ``--token-ids`` into the block hashes vLLM gives a plain text
+prompt (no LoRA, multimodal input, cache salt or prompt embeddings), by the installed vLLM's own
+``get_request_block_hasher``. vLLM chains every hash from ``NONE_HASH``, which it seeds from
+``PYTHONHASHSEED`` when that is set; without it, vLLM 0.29 and later seed sha256 hashes with a
+fixed string and xxhash ones at random, earlier releases every one at random. A random seed
+cannot be reproduced outside the server, so that case is refused.
 """
 
 from __future__ import annotations
@@ -22,9 +31,14 @@ import math
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._checks import MAX_TOKENS
+
+#: vLLM's ``--prefix-caching-hash-algo`` choices.
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+#: The exit status when the lookup asks more keys than an explanation keeps.
+TOO_LARGE = 3
 
 HELP = "why a prompt hits what it hits: every key's answer per group and namespace, and the coordinator's steps"
 
@@ -101,7 +115,6 @@ def _master(text: str) -> str:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from ..bench.explain import HASH_ALGOS
     from ..lookup.contract import CONTRACTS, DEFAULT_VLLM_COMPAT
     from ..lookup.layout import MAX_RANKS
     from . import png_path, whole_number
@@ -249,6 +262,38 @@ def read_token_ids(text: str) -> List[int]:
     return [int(w) for w in words]
 
 
+def vllm_block_hashes(token_ids: Sequence[int], hash_block_size: int, hash_algo: str = "sha256") -> List[bytes]:
+    """The block hashes (``hash_block_size`` tokens each) vLLM gives a plain prompt of
+    ``token_ids``, by the installed vLLM's own hasher (see the module docstring).
+
+    ImportError without vLLM; ValueError when vLLM would seed them at random in this process."""
+    if hash_algo not in HASH_ALGOS:
+        raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
+    try:
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.request import Request
+    except ImportError as exc:
+        raise ImportError(
+            "hashing token ids needs vLLM (the release the server runs: its hasher is used): install it, "
+            f"or give the request's block hashes instead (--hashes) ({type(exc).__name__}: {exc})"
+        ) from exc
+    fixed_seed = hasattr(kv_cache_utils, "resolve_none_hash_seed") and not hash_algo.startswith("xxhash")
+    if os.environ.get("PYTHONHASHSEED") is None and not fixed_seed:
+        raise ValueError(
+            f"without PYTHONHASHSEED this vLLM seeds {hash_algo} block hashes at random in every process, so "
+            "the server's cannot be reproduced here: set PYTHONHASHSEED to the server's value, or give the "
+            "request's block hashes (--hashes)"
+        )
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    hasher = kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn)
+    request = Request(request_id="mooncake_keys-explain", prompt_token_ids=list(token_ids),
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None, block_hasher=hasher)
+    return [bytes(h) for h in request.block_hashes]
+
+
 def prompt_from(args: argparse.Namespace, hash_block_size: int) -> Tuple[List[bytes], int]:
     """(the block hashes, num_tokens)."""
     stdin_used = [False]
@@ -256,8 +301,6 @@ def prompt_from(args: argparse.Namespace, hash_block_size: int) -> Tuple[List[by
         hashes = read_hashes(_read_text(args.hashes, "--hashes", stdin_used))
         return hashes, args.num_tokens if args.num_tokens is not None else len(hashes) * hash_block_size
     token_ids = read_token_ids(_read_text(args.token_ids, "--token-ids", stdin_used))
-    from ..bench.explain import vllm_block_hashes
-
     try:
         hashes = vllm_block_hashes(token_ids, hash_block_size, args.hash_algo)
     except (ImportError, ValueError) as exc:
@@ -287,19 +330,19 @@ def _config_from(args: argparse.Namespace) -> Optional[Any]:
 
 
 # ------------------------------------------------------------------------------- main
-def _error(message: str) -> int:
+def _error(message: str, status: int = 2) -> int:
     print(f"mooncake_keys explain: error: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 def main(args: argparse.Namespace) -> int:
     from ..lookup.engine import LookupEngine
+    from ..lookup.explain import ExplanationTooLarge
+    from ..report import heat_map, matplotlib_missing, text
     from ..store.recording import RecordingStore
 
     try:
         if args.plot:
-            from ..bench.explain import matplotlib_missing
-
             missing = matplotlib_missing()
             if missing:
                 raise BadArgument(f"argument --plot: {missing}")
@@ -309,6 +352,9 @@ def main(args: argparse.Namespace) -> int:
         try:  # the lookup's own checks, against a store double: nothing is asked of the master yet
             LookupEngine.for_deployment(dep, store=RecordingStore()).explain(num_tokens, hashes,
                                                                              skip_tokens=args.skip_tokens)
+        except ExplanationTooLarge as exc:  # checked before a key is built
+            return _error(f"too large to explain (--num-tokens, the prompt, the --tp/--pp/--pcp/--dcp sizes): {exc}",
+                          TOO_LARGE)
         except (TypeError, ValueError) as exc:
             raise BadArgument(f"the lookup (--num-tokens, --skip-tokens, the prompt): {exc}") from None
     except BadArgument as exc:
@@ -323,9 +369,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     with store:
         report = LookupEngine.for_deployment(dep, store=store).explain(num_tokens, hashes, skip_tokens=args.skip_tokens)
-    print(report.format())
+    print(text(report))
     if args.plot:
-        from ..bench.explain import heat_map
-
         print(f"plot: {heat_map(report, args.plot)}")
     return 0

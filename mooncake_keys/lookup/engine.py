@@ -33,6 +33,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 from .._checks import int_arg
 from .contract import DEFAULT_VLLM_COMPAT
 from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
+from .explain import Explanation, explain
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
@@ -402,13 +403,20 @@ class LookupEngine(DeploymentViews):
         boundaries = dep.tail_boundaries(hit, presence, num_hashes)
         return LookupResult(hit, tuple(TailKeyBoundary(g, n) for g, n in boundaries))
 
-    def explain(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> Any:
+    def plan_of(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> Optional[LookupPlan]:
+        """What :meth:`lookup` of these arguments would ask (checked as by it), before a key is
+        built: per store group the chunks asked and presumed, and ``num_keys``, the one-shot
+        lookup's keys; None when it asks nothing."""
+        prepared = self._prepare(int_arg("num_tokens", num_tokens), block_hashes, skip_tokens)
+        return None if prepared is None else prepared[3]
+
+    def explain(self, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> Explanation:
         """Why :meth:`lookup_result` of these arguments hits what it hits, on the store as it is
         now: an :class:`~mooncake_keys.lookup.explain.Explanation` (every answer of the one-shot
-        keys, per group and namespace, and the coordinator's steps; the same hit)."""
-        from .explain import explain
-
-        return explain(self, num_tokens, block_hashes, skip_tokens=skip_tokens)
+        keys, per group and namespace, and the coordinator's steps; the same hit); printed by
+        :mod:`mooncake_keys.report`. A lookup of more than :data:`~mooncake_keys.lookup.explain.MAX_KEYS` keys raises
+        :class:`~mooncake_keys.lookup.explain.ExplanationTooLarge` (a ``ValueError``) first."""
+        return explain(self, num_tokens, block_hashes, skip_tokens=skip_tokens, lookup_logger=logger)
 
     def _lookup(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any) -> Optional[Answer]:
         """(hit, number of hashes, per-group presence), or None for no hit at all: the lookup

@@ -1,11 +1,13 @@
 """Why a lookup hits what it hits: every answer of its keys, and the coordinator's steps.
 
-``explain(engine, num_tokens, block_hashes)`` asks the engine's store once, with every key a
-one-shot lookup asks (built by the engine itself, and sent through ``engine.call_store``: the
-same store-fault policy and log line), and keeps every (group, chunk, namespace) answer. The
-answers are read by the lookup itself (``steps()`` of a one-shot engine of the same deployment),
-so the hit and the tail key boundaries are those of ``engine.lookup_result`` on the same store
-state. From the same answers:
+``LookupEngine.explain(num_tokens, block_hashes)`` (this module's :func:`explain` does its work)
+asks the engine's store once, with every key a one-shot lookup asks (built by the engine itself,
+and sent through ``engine.call_store``: the same store-fault policy and log line), and keeps every
+(group, chunk, namespace) answer. The answers are read by the lookup itself (``steps()`` of a
+one-shot engine of the same deployment), so the hit and the tail key boundaries are those of
+``engine.lookup_result`` on the same store state. A lookup of more than :data:`MAX_KEYS` keys is
+refused before a key is built (:class:`ExplanationTooLarge`): every answer is kept. From the same
+answers:
 
 * per store group (:class:`GroupExplanation`): the chunks asked, the leading run of chunks
   present in every namespace, the first chunk that is not and which namespaces answered absent
@@ -16,7 +18,8 @@ state. From the same answers:
   on these answers, on one group's answers alone, without the EAGLE drop, or at the hit.
 
 Nothing here restates a hit rule: where a sentence names one, its figures come from the
-function that applies it.
+function that applies it. The engine imports this module, never the reverse (the engine it is
+handed is read through its public methods); the report is printed by :mod:`mooncake_keys.report`.
 """
 
 from __future__ import annotations
@@ -28,23 +31,24 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .deployment import Deployment, LookupPlan
-from .engine import LookupEngine, TailKeyBoundary, logger as lookup_logger
 from .hashes import as_block_hashes
 from .layout import Namespace
 from .specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
-    "ABSENT", "ERROR", "PRESENT", "Cut", "Explanation", "GroupExplanation", "MissingChunk", "NamespaceRow", "explain",
-    "is_error_code", "namespace_name",
+    "ABSENT", "ERROR", "MAX_KEYS", "PRESENT", "Cut", "Explanation", "ExplanationTooLarge", "GroupExplanation",
+    "MissingChunk", "NamespaceRow", "explain", "is_error_code", "namespace_name",
 ]
 
 #: How an answer reads (``GroupExplanation.status``): absent, present (exactly 1), an error code.
 ABSENT, PRESENT, ERROR = 0, 1, 2
+#: The most keys an explanation asks (and keeps every answer of): a 128k-token prompt of 16-token
+#: chunks on 64 namespaces is 524,288. Beyond, :class:`ExplanationTooLarge` before any key is built.
+MAX_KEYS = 1 << 20
 
-#: The format's namespace table lists every namespace up to this many; beyond, those that lack
-#: something (the others are counted).
-_LIST_ALL_NAMESPACES = 16
 
+class ExplanationTooLarge(ValueError):
+    """The lookup asks more keys than :data:`MAX_KEYS`: explain a shorter prefix."""
 
 def namespace_name(namespace: Namespace) -> str:
     """``(tp, pcp, dcp, pp)`` as an operator reads it: ``"tp0 pcp0 dcp0 pp1"``."""
@@ -167,71 +171,16 @@ class Explanation:
     groups: Tuple[GroupExplanation, ...]
     #: The steps from the lookup length to the hit, in order.
     cuts: Tuple[Cut, ...]
-    #: ``engine.lookup_result(...)``'s answer on the same store state.
+    #: ``engine.lookup_result(...)``'s answer on the same store state (its ``TailKeyBoundary``s).
     hit_length: int
-    tail_key_boundaries: Tuple[TailKeyBoundary, ...]
+    tail_key_boundaries: Tuple[Any, ...]
     #: None, or the store fault's log line (the hit is then 0).
     fault: Optional[str]
-
-    def format(self) -> str:
-        """The report as text: the lookup, a table per group, the steps, the hit."""
-        lines = [
-            f"lookup of {self.num_tokens} tokens, model {self.model_name!r}, vllm_compat {self.vllm_compat}: "
-            f"{self.num_hashes} hashes of {self.hash_block_size} tokens, lookup length {self.lookup_tokens}"
-            + (f", skip_tokens {self.skip_tokens}" if self.skip_tokens else "")
-            + f"; {self.keys_asked} keys asked",
-        ]
-        if self.fault:
-            lines.append(f"store fault: {self.fault}")
-        for g in self.groups:
-            lines.append("")
-            lines.extend(_format_group(g))
-        lines += ["", "steps:"]
-        lines += [f"  {i}. {cut.text}" for i, cut in enumerate(self.cuts, 1)]
-        tails = ", ".join(f"group {t.group_id} at {t.num_tokens}" for t in self.tail_key_boundaries)
-        lines.append(f"hit: {self.hit_length} tokens" + (f" (tail key boundaries: {tails})" if tails else ""))
-        return "\n".join(lines)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _format_group(g: GroupExplanation) -> List[str]:
-    presumed = f" (+{len(g.presumed_chunks)} below skip_tokens, counted present)" if g.presumed_chunks else ""
-    lines = [f"group {g.group_id}: {g.spec}; {_count(len(g.namespaces), 'namespace')}; "
-             f"{_count(len(g.asked_chunks), 'chunk')} asked{presumed}"]
-    if not g.answers:
-        lines.append("  no answers (store fault)" if g.asked_chunks else "  nothing asked")
-        return lines
-    lines.append(f"  chunks: {g.present_chunks} present in every namespace, {g.absent_chunks} absent, "
-                 f"{g.error_chunks} with an error code")
-    run = f"  leading run: {_count(g.run_chunks, 'chunk')}, {g.run_tokens} tokens"
-    miss = g.first_missing
-    if miss is None:
-        lines.append(run + "; every chunk asked is present")
-    else:
-        why = [f"absent in {', '.join(miss.absent)}"] if miss.absent else []
-        why += [f"error {code} in {name}" for name, code in miss.errors]
-        lines.append(f"{run}; first missing: chunk {miss.chunk} (token {miss.start_tokens}): {'; '.join(why)}")
-    if g.alone_hit_tokens is not None:
-        lines.append(f"  its answers alone allow {g.alone_hit_tokens} tokens (every other group present, before EAGLE)")
-    rows = g.namespace_rows()
-    shown = [r for r in rows if len(rows) <= _LIST_ALL_NAMESPACES or r.first_not_present is not None]
-    width = max(len("namespace"), *(len(r.namespace) for r in rows))
-    lines.append(f"  {'namespace':<{width}}  present  absent  error  first not present")
-    for r in shown:
-        first = "-" if r.first_not_present is None else \
-            f"chunk {r.first_not_present} (token {r.first_not_present * g.chunk_tokens})"
-        lines.append(f"  {r.namespace:<{width}}  {r.present:>7}  {r.absent:>6}  {r.error:>5}  {first}")
-    if len(shown) < len(rows):
-        lines.append(f"  ... and {len(rows) - len(shown)} namespaces holding every chunk asked")
-    return lines
 
 
 # ------------------------------------------------------------------------------- explain
 @contextmanager
-def _warnings_of_this_thread() -> Iterator[List[str]]:
+def _warnings_of_this_thread(lookup_logger: logging.Logger) -> Iterator[List[str]]:
     """The warning lines the lookup logger writes in this thread meanwhile (a fault's reason)."""
     said: List[str] = []
     me = threading.get_ident()
@@ -249,22 +198,30 @@ def _warnings_of_this_thread() -> Iterator[List[str]]:
         lookup_logger.removeHandler(handler)
 
 
-def explain(engine: LookupEngine, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0) -> Explanation:
+def explain(engine: Any, num_tokens: int, block_hashes: Any, *, skip_tokens: int = 0,
+            lookup_logger: logging.Logger) -> Explanation:
     """Why ``engine.lookup_result(num_tokens, block_hashes, skip_tokens=...)`` hits what it hits
-    on the store as it is now (see the module docstring). Asks the store once, with every key of
-    the one-shot lookup; the arguments are checked as by the lookup."""
-    if not isinstance(engine, LookupEngine):
-        raise TypeError(f"engine must be a LookupEngine, got {type(engine).__name__}")
+    on the store as it is now (see the module docstring): the work of ``LookupEngine.explain``,
+    for ``engine``, whose store-fault lines go to ``lookup_logger``. Asks the store once, with
+    every key of the one-shot lookup; the arguments are checked as by the lookup, and a lookup
+    of more than :data:`MAX_KEYS` keys is refused (:class:`ExplanationTooLarge`)."""
     dep = engine.deployment
     hashes = as_block_hashes(block_hashes)
+    asked = engine.plan_of(num_tokens, hashes, skip_tokens=skip_tokens)  # the lookup's checks and plan
+    if asked is not None and asked.num_keys > MAX_KEYS:
+        raise ExplanationTooLarge(
+            f"explain asks every key of the one-shot lookup and keeps every answer: num_tokens {num_tokens} over "
+            f"{len(hashes)} block_hashes asks {asked.num_keys:,} keys ({asked.chunks_asked:,} chunks, each in every "
+            f"namespace of its group), more than {MAX_KEYS:,}: explain a shorter prefix (a smaller num_tokens)"
+        )
     # The lookup itself, one-shot, with this engine's deployment; its counters are its own (an
     # explanation is not a lookup served), the store call is this engine's.
-    oneshot = LookupEngine.for_deployment(dep, store=engine.store, strategy="oneshot", key_cache_bytes=0,
+    oneshot = type(engine).for_deployment(dep, store=engine.store, strategy="oneshot", key_cache_bytes=0,
                                           spare_key_bytes=0)
     steps = oneshot.steps(num_tokens, hashes, skip_tokens)
     keys: List[str] = []
     results: Optional[list] = None
-    with _warnings_of_this_thread() as said:
+    with _warnings_of_this_thread(lookup_logger) as said:
         try:
             keys = next(steps)  # the arguments are checked here, as by a lookup
         except StopIteration as done:  # nothing to ask
@@ -281,8 +238,9 @@ def explain(engine: LookupEngine, num_tokens: int, block_hashes: Any, *, skip_to
         fault = said[0] if said else "the store's answer could not be used (its log line is filtered out)"
     num_tokens, skip_tokens = int(num_tokens), int(skip_tokens)  # checked by the lookup
     n = len(hashes)
-    token_len = dep.coordinator.align(num_tokens) if dep.contract.aligns_lookup_length else num_tokens
-    plan = dep.plan(token_len, n, skip_tokens) if n and token_len > 0 else None
+    plan = asked
+    token_len = plan.token_len if plan is not None else \
+        dep.coordinator.align(num_tokens) if dep.contract.aligns_lookup_length else num_tokens
     if plan is not None and plan.num_keys != len(keys):  # pragma: no cover - the lookup's own plan
         raise RuntimeError(f"the lookup asked {len(keys)} keys, its plan has {plan.num_keys}")
     presence = answer[2] if answer is not None else None
@@ -296,9 +254,7 @@ def explain(engine: LookupEngine, num_tokens: int, block_hashes: Any, *, skip_to
         cuts = [Cut("nothing", f"{why}: nothing is asked -> 0", 0)]
     else:
         cuts = _cuts(dep, plan, presence, num_tokens, n, skip_tokens, hit, groups)
-    tails: Tuple[TailKeyBoundary, ...] = ()
-    if presence is not None and dep.contract.tail_key_boundaries:
-        tails = tuple(TailKeyBoundary(g, t) for g, t in dep.tail_boundaries(hit, presence, n))
+    tails = oneshot.result_of(answer).tail_key_boundaries if presence is not None else ()
     return Explanation(
         model_name=dep.model_name, vllm_compat=dep.contract.name, num_tokens=num_tokens,
         lookup_tokens=max(token_len, 0), skip_tokens=skip_tokens, num_hashes=n,

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from mooncake_keys.bench.explain import vllm_block_hashes
 from mooncake_keys.cli import explain as cli_explain
+from mooncake_keys.cli.explain import vllm_block_hashes
 
 TOKENS = list(range(1000, 1000 + 16 * 9 + 5))  # 9 full blocks of 16 and a partial one
 
