@@ -4,9 +4,10 @@ Keys are byte-identical to vLLM's ``MooncakeStoreConnector`` and hit lengths equ
 the key building and rank reduction run in a compiled core when one is available
 (``ACCELERATED``), in a pure-Python twin otherwise.
 
-The package reads as the data flow: ``lookup`` (hashes -> keys -> hit length), ``store``
-(where the keys are asked), ``kvpool`` (one rank's saves and loads), ``vllm`` (the drop-in),
-``bench`` and ``cli`` (demo, bench). The names here are what a user needs; the internals
+The package reads as the data flow: ``lookup`` (hashes -> keys -> hit length; it names no
+engine), ``store`` (where the keys are asked), ``kvpool`` (one rank's saves and loads), ``vllm``
+(the drop-in, its mapping and its releases' contract rows; a second engine would be a sibling),
+``report`` (an explanation printed), ``bench`` and ``cli`` (demo, bench, explain). The names here are what a user needs; the internals
 (``lookup.coordinator.Coordinator``, ``lookup.keycache.KeyCache``, ...) stay importable from
 their modules. Names that need torch or the Mooncake client are imported on first use.
 """
@@ -20,6 +21,12 @@ from .lookup.layout import ParallelLayout
 from .lookup.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from .store.memory import MemoryStore
 from .store.recording import RecordingStore
+
+# Each engine's releases, registered for the Deployment argument that names them (vllm_compat):
+# the rows live in the engine's folder, which imports no vLLM for them.
+from .vllm import contracts  # noqa: E402
+
+del contracts
 
 _LAZY = {  # heavier modules, imported on first use
     "KVPool": "kvpool",  # torch

@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional dependency
     raise ImportError("mooncake_keys.kvpool needs torch: pip install 'mooncake-keys[torch]'") from exc
 
 from ._checks import int_arg
-from .lookup.contract import DEFAULT_VLLM_COMPAT
+from .lookup.contract import Contract
 from .lookup.deployment import Deployment, DeploymentViews, GroupLike
 from .lookup.hashes import BlockHashes, as_block_hashes
 from .lookup.layout import Namespace, ParallelLayout
@@ -252,7 +252,8 @@ class KVPool(DeploymentViews):
         cache_prefix: str = "",
         store_namespace: str = "",
         partial_hash_hits: bool = False,
-        vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        vllm_compat: Optional[str] = None,
+        contract: Optional[Contract] = None,
         allow_ambiguous_names: bool = False,
         core: Optional[str] = None,
     ) -> None:
@@ -260,7 +261,7 @@ class KVPool(DeploymentViews):
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle, cache_prefix=cache_prefix,
             store_namespace=store_namespace, partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
-            allow_ambiguous_names=allow_ambiguous_names, core=core,
+            contract=contract, allow_ambiguous_names=allow_ambiguous_names, core=core,
         )
         self._start(deployment, rank, kv_caches, store)
 

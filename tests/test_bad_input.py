@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import mooncake_keys as mk
-from mooncake_keys.lookup.contract import get_contract
+from mooncake_keys.vllm.contracts import get_contract
 from mooncake_keys.lookup.coordinator import Coordinator
 
 F, S = mk.FullAttentionSpec, mk.SlidingWindowSpec

@@ -41,3 +41,71 @@ def test_a_plain_install_says_the_vllm_column_needs_a_checkout():
     assert "tests/support/vllm_workers.py" in reason and "bash scripts/dev.sh bench" in reason
     assert error.startswith("IMPORTERROR support.vllm_workers ") and "tests/support/vllm_workers.py" in error
     assert imported == "[]"
+
+
+def _imports(path: Path, package: str):
+    """The modules ``path`` (a module of ``package``) imports, anywhere in it, resolved."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_lookup_core_names_no_engine():
+    """lookup/ imports no engine's package (vLLM's, or our drop-in for it) and builds no release's
+    contract: the rows are the engine's (mooncake_keys/vllm/contracts.py), registered by the package."""
+    import ast
+
+    lookup = Path(mooncake_keys.__file__).parent / "lookup"
+    for path in lookup.glob("*.py"):
+        named = _imports(path, "mooncake_keys.lookup")
+        assert not [m for m in named if m.split(".")[0] == "vllm" or m.startswith("mooncake_keys.vllm")], path
+        calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+                 and getattr(n.func, "id", None) == "Contract"]
+        assert not calls, f"{path.name} builds a Contract"
+    from mooncake_keys.lookup import contract
+    from mooncake_keys.vllm import contracts
+
+    assert contract.named("vllm_compat", None) is contracts.CONTRACTS["0.33"]
+    assert contracts.DEFAULT_VLLM_COMPAT == "0.33" and sorted(contracts.CONTRACTS)[0] == "0.25"
+
+
+def test_a_second_engine_brings_its_own_contract():
+    """A sibling of vllm/ hands its releases' rules to the core as a Contract (``contract=``); the
+    core's messages name that engine and its argument."""
+    import dataclasses
+
+    import pytest
+
+    import mooncake_keys as mk
+    from mooncake_keys.vllm.contracts import get_contract
+
+    other = dataclasses.replace(get_contract("0.29"), engine="OtherEngine", argument="other_compat", name="1.4")
+    args = ("m", [mk.FullAttentionSpec(16)], mk.ParallelLayout())
+    dep = mk.Deployment(*args, hash_block_size=16, contract=other)
+    assert dep.contract is other and dep.contract.release == "OtherEngine 1.4"
+    with pytest.raises(ValueError, match=r"OtherEngine 1.4 has no store_namespace \(other_compat='1.4'\)"):
+        mk.Deployment(*args, hash_block_size=16, contract=dataclasses.replace(other, store_namespaces=False),
+                      store_namespace="@store_tp:1")
+    with pytest.raises(TypeError, match="either vllm_compat or contract"):
+        mk.Deployment(*args, hash_block_size=16, contract=other, vllm_compat="0.33")
+    with pytest.raises(TypeError, match="contract must be a Contract, got str"):
+        mk.Deployment(*args, hash_block_size=16, contract="0.33")
+
+
+def test_the_vllm_package_imports_no_vllm_for_its_contracts():
+    """``import mooncake_keys`` reads vLLM's contract rows from mooncake_keys.vllm without
+    importing vLLM; the drop-in's names are imported on first use."""
+    code = ("import sys, mooncake_keys, mooncake_keys.vllm as mv\n"
+            "print(sorted(m for m in sys.modules if m.startswith('mooncake_keys.vllm') or m.split('.')[0] == 'vllm'))\n"
+            "print(sorted(mv.__all__) == sorted(set(dir(mv)) & set(mv.__all__)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["['mooncake_keys.vllm', 'mooncake_keys.vllm.contracts']", "True"]

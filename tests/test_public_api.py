@@ -51,12 +51,15 @@ def test_import_is_light():
 
 
 def test_the_vllm_dropin_says_what_to_install_when_vllm_is_missing():
-    """Without vLLM, ``mooncake_keys.vllm`` raises an ImportError naming the releases and the
-    distributions that serve it; the rest of the package is unaffected."""
-    code = ("import importlib.util, sys\n"
+    """Without vLLM, the drop-in (``mooncake_keys.vllm.FastMooncakeStoreConnector``, as vLLM's
+    factory reads it: the module, then the name) raises an ImportError naming the releases and
+    the distributions that serve it; the package itself and the rest of mooncake_keys import."""
+    code = ("import importlib, importlib.util, sys\n"
             "if importlib.util.find_spec('vllm'): print('HAS-VLLM'); sys.exit(0)\n"
             "import mooncake_keys as mk\n"
-            "try:\n    import mooncake_keys.vllm\nexcept ImportError as exc:\n    print('IMPORTERROR', exc)\n"
+            "module = importlib.import_module('mooncake_keys.vllm')\n"
+            "try:\n    getattr(module, 'FastMooncakeStoreConnector')\nexcept ImportError as exc:\n"
+            "    print('IMPORTERROR', exc)\n"
             "print(mk.LookupEngine('m', [mk.FullAttentionSpec(16)], mk.ParallelLayout(), hash_block_size=16,"
             " store=mk.MemoryStore()).lookup(32, [b'a' * 16, b'b' * 16]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,6 +11,7 @@ import pytest
 import mooncake_keys as mk
 from mooncake_keys import kvpool
 from mooncake_keys.lookup import engine as engine_module
+from mooncake_keys.vllm.contracts import get_contract
 
 
 def _params(func, *drop):
@@ -25,6 +26,8 @@ KEYWORDS = [p for p in DEPLOYMENT if p.kind is p.KEYWORD_ONLY]
 NON_DEFAULT = dict(hash_block_size=16, scheduler_block_size=32, use_eagle=True, cache_prefix="p",
                    store_namespace="@store_tp:1", partial_hash_hits=True, vllm_compat="0.32",
                    allow_ambiguous_names=True, core="py")
+#: ``contract`` is the other way to name the rules (with vllm_compat left None).
+CONTRACT = dict(NON_DEFAULT, vllm_compat=None, contract=get_contract("0.32"))
 
 
 def test_no_constructor_takes_arbitrary_keywords():
@@ -41,7 +44,7 @@ def test_the_engine_signature_is_the_deployments_and_its_own():
     assert [p.name for p in own] == ["store", "strategy", "rounds_min_keys", "key_cache_bytes", "spare_key_bytes"]
     assert _params(mk.LookupEngine.__init__) == POSITIONAL + own[:1] + KEYWORDS + own[1:]
     shown = inspect.signature(mk.LookupEngine)  # what help() and an IDE show
-    assert str(shown.parameters["vllm_compat"]) == "vllm_compat: 'str' = '0.33'"
+    assert str(shown.parameters["vllm_compat"]) == "vllm_compat: 'Optional[str]' = None"  # None: vLLM 0.33
     assert shown.parameters["hash_block_size"].default is inspect.Parameter.empty  # required
 
 
@@ -53,7 +56,7 @@ def test_the_pool_signature_is_the_deployments_and_its_own():
 
 def test_every_deployment_argument_reaches_the_deployment(monkeypatch):
     """Each keyword constructor hands every argument on, unchanged (a non-default value each)."""
-    assert sorted(NON_DEFAULT) == sorted(p.name for p in KEYWORDS)
+    assert sorted(CONTRACT) == sorted(p.name for p in KEYWORDS)
     seen = []
 
     class Spy(mk.Deployment):
@@ -64,11 +67,14 @@ def test_every_deployment_argument_reaches_the_deployment(monkeypatch):
     monkeypatch.setattr(engine_module, "Deployment", Spy)
     monkeypatch.setattr(kvpool, "Deployment", Spy)
     groups, layout = [mk.FullAttentionSpec(32)], mk.ParallelLayout()
-    engine = mk.LookupEngine("m", groups, layout, store=mk.MemoryStore(), **NON_DEFAULT)
-    assert engine.vllm_compat == "0.32" and engine.scheduler_block_size == 32 and engine.cache_prefix == "p"
-    with pytest.raises(ValueError, match="partial_hash_hits"):  # a pool refuses them, after the deployment
-        mk.KVPool("m", groups, layout, rank=(0, 0, 0, 0), kv_caches=[], store=mk.MemoryStore(), **NON_DEFAULT)
-    assert seen == [(("m", groups, layout), NON_DEFAULT)] * 2
+    for given in (NON_DEFAULT, CONTRACT):
+        engine = mk.LookupEngine("m", groups, layout, store=mk.MemoryStore(), **given)
+        assert engine.vllm_compat == "0.32" and engine.scheduler_block_size == 32 and engine.cache_prefix == "p"
+        with pytest.raises(ValueError, match="partial_hash_hits"):  # a pool refuses them, after the deployment
+            mk.KVPool("m", groups, layout, rank=(0, 0, 0, 0), kv_caches=[], store=mk.MemoryStore(), **given)
+        every = {"contract": None, **given}  # each keyword is handed on, given or not
+        assert seen == [(("m", groups, layout), every)] * 2
+        seen.clear()
 
 
 @pytest.mark.parametrize("build", ["deployment", "engine", "engine_for", "pool", "pool_for"])

@@ -115,7 +115,7 @@ def _master(text: str) -> str:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from ..lookup.contract import CONTRACTS, DEFAULT_VLLM_COMPAT
+    from ..vllm.contracts import CONTRACTS, DEFAULT_VLLM_COMPAT
     from ..lookup.layout import MAX_RANKS
     from . import png_path, whole_number
 

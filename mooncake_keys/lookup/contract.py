@@ -1,29 +1,33 @@
-"""Which vLLM release's lookup an engine reproduces: every rule that differs between them, here.
+"""Which engine release's lookup a deployment reproduces: the rules where releases differ, as the
+fields of one :class:`Contract`.
 
-mooncake_keys gives the answers of a given vLLM release's ``MooncakeStoreWorker.lookup``, byte
-for byte and hit for hit, for every release from 0.25 to 0.33 (``vllm_compat``: ``"0.25"`` ..
-``"0.33"``; ``"0.33"`` is the default). The releases differ in a few rules, each a field of
-:class:`Contract`; :data:`CONTRACTS` is the one table of them (docs/vllm.md explains each rule
-and shows where each release's code has it). Nothing else in the engine tests a release number.
-
-Several releases share rules: 0.27 and 0.28 have the same lookup, as do 0.30 and 0.31; 0.26
-differs from 0.25 only in a rule that cannot change an answer (the hybrid loop's cap), kept
-faithful to its code anyway.
+The lookup core reads these fields and nothing else of a release; it names no engine. Each
+engine's rows, one :class:`Contract` per release, live in that engine's folder and are collected
+in a :class:`Contracts` table: vLLM's are ``mooncake_keys/vllm/contracts.py`` (0.25 ... 0.33). A
+:class:`~mooncake_keys.Deployment` takes a ``Contract`` itself (``contract=``, any engine's), or
+names a row of the table registered for one of its arguments (``vllm_compat="0.33"``, the
+public keyword for vLLM's table; :func:`register`, done by the package when it is imported).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Iterator, Mapping, Optional
 
-__all__ = ["Contract", "CONTRACTS", "DEFAULT_VLLM_COMPAT", "get_contract"]
+__all__ = ["Contract", "Contracts", "named", "register"]
 
 
 @dataclass(frozen=True)
 class Contract:
-    """The rules of one vLLM release's lookup (see the module docstring)."""
+    """The rules of one release's lookup (docs/vllm.md explains each rule for vLLM's releases).
+
+    ``engine`` is the engine's name as people write it ("vLLM"), ``argument`` the
+    :class:`~mooncake_keys.Deployment` argument that names its releases (``"vllm_compat"``) and
+    ``name`` this release there (``"0.33"``): error messages say ``f"{engine} {name}"``."""
 
     name: str
+    engine: str
+    argument: str
     #: ``lookup(num_tokens)`` floors ``num_tokens`` to the alignment (else: must be aligned).
     aligns_lookup_length: bool
     #: A hit covering all of ``num_tokens`` is re-derived at ``align(num_tokens - 1)``.
@@ -60,46 +64,55 @@ class Contract:
     swa_rejects_partial_hits: bool
 
 
-_R025 = dict(
-    aligns_lookup_length=False, rederives_full_hit=False, tail_key_boundaries=False,
-    per_group_namespaces=False, single_group_scheduler_alignment=False, full_hit_caps_later_passes=False,
-    eagle_peek_to_hashes=False, merged_eagle_masks=False, hybrid_dcp=False, dropped_groups=False,
-    store_namespaces=False, partial_hash_hits=False, window_adds_extra_retained=False,
-    mamba_eagle_margin=True, swa_rejects_partial_hits=False,
-)
-#: 0.26: the hybrid loop caps later passes by a computed full-attention hit (inert: same answers).
-_R026 = dict(_R025, full_hit_caps_later_passes=True)
-#: 0.27 (= 0.28): lookups align and re-derive a full hit, per-group namespaces (MLA, GQA, one per
-#: rank for Mamba), merged EAGLE flags, partial hash hits from a Mamba group; answers an int.
-_R027 = dict(
-    _R026, aligns_lookup_length=True, rederives_full_hit=True, per_group_namespaces=True,
-    single_group_scheduler_alignment=True, merged_eagle_masks=True, partial_hash_hits=True,
-    mamba_eagle_margin=False, swa_rejects_partial_hits=True,
-)
-#: 0.29: the result object with tail key boundaries, hybrid + DCP, groups dropped from transfer.
-_R029 = dict(_R027, tail_key_boundaries=True, hybrid_dcp=True, dropped_groups=True)
-#: 0.30 (= 0.31): store namespaces and layouts; a sliding-window group takes partial hash hits.
-_R030 = dict(_R029, store_namespaces=True, swa_rejects_partial_hits=False)
-#: 0.32: the EAGLE look-ahead may reach the end of the hashes.
-_R032 = dict(_R030, eagle_peek_to_hashes=True)
-#: 0.33: the sliding window covers the extra retained tokens too.
-_R033 = dict(_R032, window_adds_extra_retained=True)
-
-CONTRACTS: Dict[str, Contract] = {
-    name: Contract(name, **rules)
-    for name, rules in (
-        ("0.25", _R025), ("0.26", _R026), ("0.27", _R027), ("0.28", _R027), ("0.29", _R029),
-        ("0.30", _R030), ("0.31", _R030), ("0.32", _R032), ("0.33", _R033),
-    )
-}
-
-#: The contract a :class:`~mooncake_keys.LookupEngine` follows unless told otherwise.
-DEFAULT_VLLM_COMPAT = "0.33"
+    @property
+    def release(self) -> str:
+        """The release as people write it: ``"vLLM 0.33"``."""
+        return f"{self.engine} {self.name}"
 
 
-def get_contract(name: object) -> Contract:
-    """The contract named ``name``; ValueError naming the supported ones otherwise."""
-    contract = CONTRACTS.get(name) if isinstance(name, str) else None
-    if contract is None:
-        raise ValueError(f"vllm_compat must be one of {sorted(CONTRACTS)}, got {name!r}")
-    return contract
+class Contracts(Mapping[str, Contract]):
+    """One engine's releases: their :class:`Contract` by name, and the one followed by default.
+    ``argument`` is the :class:`~mooncake_keys.Deployment` argument that names them."""
+
+    def __init__(self, argument: str, rows: Mapping[str, Contract], default: str) -> None:
+        if default not in rows or any(c.argument != argument or c.name != n for n, c in rows.items()):
+            raise ValueError(f"the rows of {argument} must be named as their contracts, the default among them")
+        self.argument, self.default = argument, default
+        self._rows: Dict[str, Contract] = dict(rows)
+
+    def __getitem__(self, name: str) -> Contract:
+        return self._rows[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get_contract(self, name: object = None) -> Contract:
+        """The contract named ``name`` (None: the default); ValueError naming the argument and the
+        supported names otherwise."""
+        if name is None:
+            return self._rows[self.default]
+        contract = self._rows.get(name) if isinstance(name, str) else None
+        if contract is None:
+            raise ValueError(f"{self.argument} must be one of {sorted(self._rows)}, got {name!r}")
+        return contract
+
+
+#: argument -> the table whose rows it names.
+_TABLES: Dict[str, Contracts] = {}
+
+
+def register(table: Contracts) -> Contracts:
+    """Make ``table`` the one its argument names (an engine's folder registers its own)."""
+    _TABLES[table.argument] = table
+    return table
+
+
+def named(argument: str, name: Optional[str]) -> Contract:
+    """The contract ``argument=name`` names (None: its table's default)."""
+    table = _TABLES.get(argument)
+    if table is None:  # pragma: no cover - mooncake_keys/__init__.py registers every engine's table
+        raise LookupError(f"no contracts are registered for {argument}")
+    return table.get_contract(name)

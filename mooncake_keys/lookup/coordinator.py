@@ -8,8 +8,8 @@ partial hash hits there is also one byte per hash unit (``units``), for the inte
 first incomplete full-attention block.
 
 Hashes within a request are assumed distinct (vLLM chains them, so they are): vLLM's pool keys
-presence by (group, hash) while this coordinator keys it by (group, chunk). Where the vLLM
-releases differ, the :class:`~mooncake_keys.lookup.contract.Contract` decides.
+presence by (group, hash) while this coordinator keys it by (group, chunk). Where releases
+differ, the :class:`~mooncake_keys.lookup.contract.Contract` decides.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class Coordinator:
         if not self.groups or not all(isinstance(g, KVCacheGroup) for g in self.groups):
             raise TypeError("groups must be a non-empty sequence of KVCacheGroup")
         if not isinstance(contract, Contract):
-            raise TypeError(f"contract must be a Contract (contract.get_contract('0.33')), got {type(contract).__name__}")
+            raise TypeError(f"contract must be a Contract, got {type(contract).__name__}")
         self.scheduler_block_size = int_arg("scheduler_block_size", scheduler_block_size, min=1, max=MAX_TOKENS)
         self.hash_block_size = int_arg("hash_block_size", hash_block_size, min=1, max=MAX_TOKENS)
         bool_arg("use_eagle", use_eagle)

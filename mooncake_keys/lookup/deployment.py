@@ -35,7 +35,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .._checks import MAX_TOKENS, bool_arg, int_arg, text_arg
 from . import _core
-from .contract import DEFAULT_VLLM_COMPAT, Contract, get_contract
+from .contract import Contract, named
 from .coordinator import Coordinator, Presence
 from .hashes import BlockHashes
 from .keys import KeyMetadata, PoolKey, key_head
@@ -175,6 +175,17 @@ _OPT_IN = ("Pass allow_ambiguous_names=True only for an existing deployment whos
            "such a name.")
 
 
+def _contract_of(vllm_compat: Optional[str], contract: Optional[Contract]) -> Contract:
+    """The contract ``vllm_compat`` names, or ``contract`` itself (not both)."""
+    if contract is None:
+        return named("vllm_compat", vllm_compat)
+    if not isinstance(contract, Contract):
+        raise TypeError(f"contract must be a Contract, got {type(contract).__name__}")
+    if vllm_compat is not None:
+        raise TypeError("give either vllm_compat or contract, not both")
+    return contract
+
+
 def _check_unambiguous(model_name: str, cache_prefix: str, store_namespace: str) -> None:
     """Refuse names that let two deployments' keys coincide, so ``cache_prefix`` isolates them.
 
@@ -227,8 +238,10 @@ class Deployment:
     ``hash_block_size`` tokens per request hash; each group's ``block_size`` tokens per chunk
     (a multiple of it); ``scheduler_block_size`` (default: lcm of every group's block size,
     dropped groups included, and a multiple of each) per aligned hit. ``vllm_compat`` names the
-    vLLM release whose lookup is reproduced (:mod:`.contract`); ``store_namespace`` and
-    ``partial_hash_hits`` are vLLM 0.33's. An ``@`` in ``model_name`` or ``cache_prefix`` is
+    vLLM release whose lookup is reproduced (``"0.25"`` ... ``"0.33"``; None: the newest, 0.33;
+    the rows are ``mooncake_keys.vllm.contracts``); ``contract`` gives the rules of a release
+    itself instead (any engine's :class:`~mooncake_keys.lookup.contract.Contract`, see
+    :mod:`.contract`). ``store_namespace`` and ``partial_hash_hits`` are vLLM 0.33's. An ``@`` in ``model_name`` or ``cache_prefix`` is
     refused (keys of two deployments could collide) unless ``allow_ambiguous_names``: for an
     existing deployment whose keys already use such a name, and then ``cache_prefix`` does not
     isolate it. ``core`` pins the key-building core (``"c"``
@@ -247,11 +260,12 @@ class Deployment:
         cache_prefix: str = "",
         store_namespace: str = "",
         partial_hash_hits: bool = False,
-        vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        vllm_compat: Optional[str] = None,
+        contract: Optional[Contract] = None,
         allow_ambiguous_names: bool = False,
         core: Optional[str] = None,
     ) -> None:
-        self.contract: Contract = get_contract(vllm_compat)
+        self.contract: Contract = _contract_of(vllm_compat, contract)
         self.model_name = text_arg("model_name", model_name)
         self.cache_prefix = text_arg("cache_prefix", cache_prefix)
         self.store_namespace = text_arg("store_namespace", store_namespace)
@@ -295,13 +309,13 @@ class Deployment:
     def _check_contract(self) -> None:
         """ValueError for what the contract's vLLM release does not have, or cannot look up."""
         c, layout = self.contract, self.layout
-        release = f"vLLM {c.name}"
+        release, named_as = c.release, f"({c.argument}={c.name!r})"
         if not c.dropped_groups and not all(g.prefix_cacheable for g in self.groups):
-            raise ValueError(f"{release} has no prefix_cacheable=False groups (vllm_compat={c.name!r})")
+            raise ValueError(f"{release} has no prefix_cacheable=False groups {named_as}")
         if not c.store_namespaces and self.store_namespace:
-            raise ValueError(f"{release} has no store_namespace (vllm_compat={c.name!r})")
+            raise ValueError(f"{release} has no store_namespace {named_as}")
         if not c.partial_hash_hits and self.partial_hash_hits:
-            raise ValueError(f"{release} has no partial hash hits (vllm_compat={c.name!r})")
+            raise ValueError(f"{release} has no partial hash hits {named_as}")
         stored = [g for g in self.groups if g.prefix_cacheable]
         if not stored:
             raise ValueError("groups must hold at least one prefix-cacheable KV-cache group")

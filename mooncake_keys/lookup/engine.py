@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 from .._checks import int_arg
-from .contract import DEFAULT_VLLM_COMPAT
+from .contract import Contract
 from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
 from .explain import Explanation, explain
 from .hashes import BlockHashes, as_block_hashes
@@ -154,7 +154,8 @@ class LookupEngine(DeploymentViews):
         cache_prefix: str = "",
         store_namespace: str = "",
         partial_hash_hits: bool = False,
-        vllm_compat: str = DEFAULT_VLLM_COMPAT,
+        vllm_compat: Optional[str] = None,
+        contract: Optional[Contract] = None,
         allow_ambiguous_names: bool = False,
         core: Optional[str] = None,
         # The engine's own, as for_deployment has them.
@@ -167,7 +168,7 @@ class LookupEngine(DeploymentViews):
             model_name, groups, layout, hash_block_size=hash_block_size,
             scheduler_block_size=scheduler_block_size, use_eagle=use_eagle, cache_prefix=cache_prefix,
             store_namespace=store_namespace, partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
-            allow_ambiguous_names=allow_ambiguous_names, core=core,
+            contract=contract, allow_ambiguous_names=allow_ambiguous_names, core=core,
         )
         self._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes)
 

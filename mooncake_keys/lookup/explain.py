@@ -418,7 +418,7 @@ def _cuts(dep: Deployment, plan: LookupPlan, presence: Sequence[bytearray], num_
                         None, g))
     if hit != together:
         if dep.contract.rederives_full_hit and together >= num_tokens:
-            cuts.append(Cut("last-token", f"the last token is computed (vllm_compat {dep.contract.name}): a hit of "
+            cuts.append(Cut("last-token", f"the last token is computed ({dep.contract.argument} {dep.contract.name}): a hit of "
                                           f"all {num_tokens} tokens is looked up again below them: {together} -> {hit}",
                             hit))
         else:  # pragma: no cover - the engine's hit is the coordinator's but for the last-token rule

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from ..lookup.contract import Contract, get_contract
+from ..lookup.contract import Contract
 from ..lookup.deployment import Deployment
 from ..lookup.engine import LookupEngine
 from ..lookup.layout import ParallelLayout
 from ..lookup.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from .contracts import get_contract
 
 __all__ = ["Unsupported", "deployment_of", "check_against", "spec_kind"]
 

@@ -1,7 +1,7 @@
 """Which vLLM release is installed, and which lookup contract it follows.
 
 Every release from 0.25 to 0.33 is supported: its contract is named by its minor version
-(``"0.25"`` .. ``"0.33"``; ``mooncake_keys.lookup.contract`` holds their rules). Another release
+(``"0.25"`` .. ``"0.33"``; :mod:`.contracts` holds their rules). Another release
 keeps vLLM's own lookup, and a log line says so.
 
 The installed release is ``vllm.__version__``, as vLLM's own platform detection reads it: the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Optional, Tuple
 
-from ..lookup.contract import CONTRACTS
+from .contracts import CONTRACTS
 
 __all__ = ["SUPPORTED", "contract_for", "contract_for_installed", "installed_version"]
 

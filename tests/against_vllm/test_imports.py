@@ -44,5 +44,5 @@ def test_the_dropin_package_holds_only_production_modules():
     import mooncake_keys.vllm as mv
 
     modules = sorted(p.stem for p in Path(mv.__file__).parent.glob("*.py"))
-    assert modules == ["__init__", "connector", "handshake", "logs", "mapping", "metrics", "scheduler", "versions",
-                       "worker"]
+    assert modules == ["__init__", "connector", "contracts", "handshake", "logs", "mapping", "metrics", "scheduler",
+                       "versions", "worker"]

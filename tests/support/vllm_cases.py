@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 import mooncake_keys as mk
-from mooncake_keys.lookup.contract import Contract, get_contract
+from mooncake_keys.lookup.contract import Contract
+from mooncake_keys.vllm.contracts import get_contract
 
 ERROR_CODES = (-900, -704, -1, 2, 0)
 
