@@ -44,7 +44,8 @@ def result(r):
 
 def test_0_33_is_the_default_and_other_values_are_refused():
     assert engine([F(16)], mk.RecordingStore()).vllm_compat == "0.33"
-    for other in ("0.24", "0.34", "0.3", 0.33, None):
+    assert engine([F(16)], mk.RecordingStore(), vllm_compat=None).vllm_compat == "0.33"  # the signature's default
+    for other in ("0.24", "0.34", "0.3", 0.33, ""):
         with pytest.raises(ValueError, match=r"vllm_compat must be one of \['0.25', '0.26', .*'0.33'\]"):
             engine([F(16)], mk.RecordingStore(), vllm_compat=other)
 
