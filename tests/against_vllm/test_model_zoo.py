@@ -265,3 +265,30 @@ def test_the_engine_core_resolves_hit_alignment_on_the_schedulers_copy():
                                                   sched_bs, hash_bs) == 256
     assert worker_config.cache_hit_alignment_tokens == lay.scheduler_kv_cache_config.cache_hit_alignment_tokens == 256
     assert worker_config.hash_block_size == 4
+
+
+def test_the_flagship_benchmark_scenarios_are_vllms_layouts():
+    """``mooncake_keys bench``'s DeepSeek-V4-Flash and Qwen3-Next scenarios (data in the package,
+    so that a plain install measures them) are the deployments vLLM's own code builds: the bench
+    builds vLLM's worker from the model zoo and refuses a scenario that is not its layout; the
+    engine of the scenario and vLLM's worker answer alike."""
+    import dataclasses
+
+    from mooncake_keys.bench import vllm_baseline
+    from mooncake_keys.bench.scenarios import FLAGSHIP, make_request, membership_answer, stub_store
+
+    assert vllm_baseline.unavailable() is None
+    for sc in FLAGSHIP.values():
+        req = make_request(sc, 0)
+        store = stub_store(membership_answer(sc, req))
+        theirs = vllm_baseline.VllmLookup(sc, store)
+        try:
+            engine = mk.LookupEngine.for_deployment(sc.deployment(), store=store, strategy="oneshot")
+            ours = engine.lookup(req.token_len, mk.BlockHashes.from_blob(req.blob, req.hash_len))
+            assert ours == theirs.lookup(req.token_len, req.blob, req.hash_len) > 0
+            assert vllm_baseline.layout_difference(sc, theirs.worker) is None
+            other = dataclasses.replace(sc, layout=mk.ParallelLayout(tp_size=4, num_kv_heads=sc.layout.num_kv_heads,
+                                                                     use_mla=sc.layout.use_mla))
+            assert "lays it out as" in vllm_baseline.layout_difference(other, theirs.worker)
+        finally:
+            vllm_workers.release(theirs.worker)
