@@ -216,11 +216,12 @@ def count_keys(scenario: Scenario) -> int:
 # ------------------------------------------------------------------------------------ store
 def keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     """The keys a lookup of ``token_len`` tokens of ``request`` sends. Built by mooncake_keys
-    when it has its compiled core (fast), else by the ``seed`` baseline (:mod:`.baselines`): the two give the very same
-    strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
+    when it has its compiled core (fast) or the scenario is one the ``seed`` baseline cannot
+    express (a flagship layout), else by that baseline (:mod:`.baselines`): the two give the
+    very same strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
     if token_len <= 0:
         return []
-    if _core.ACCELERATED:
+    if _core.ACCELERATED or "seed" not in scenario.impls:
         eng = mk.LookupEngine.for_deployment(scenario.deployment(), store=mk.RecordingStore(), key_cache_bytes=0,
                                              spare_key_bytes=0)
         return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))

@@ -65,11 +65,15 @@ worker gets them from the engine core: ``cache_config.block_size`` is set to the
 block size the worker sees (default: the smallest prefix-cacheable group block
 size, as ``EngineCore`` sets it; before 0.30 the smallest of all groups); from
 0.32 ``KVCacheConfig.hash_block_size`` / ``cache_hit_alignment_tokens`` come
-from ``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens``;
-from 0.29 the KV cache layout is adopted with ``record_kv_cache_layout``.  The
-KV-cache groups are given by the caller (the engine's layer-grouping step is
-not run). The module's switches (``PREFIX_MATCH_UNIT``, ``KV_CACHE_LAYOUT``,
-``HIT_ALIGNMENT``, ...) name the first release of each step.
+from ``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens``,
+asked of the scheduler's copy of the config as the engine core asks them
+(:func:`resolve_engine_core_sizes`); from 0.29 the KV cache layout is adopted
+with ``record_kv_cache_layout``.  The KV-cache groups are given by the caller
+(the engine's layer-grouping step is not run here; ``support.vllm_zoo``, reached
+through :func:`model_zoo`, runs it, from real architectures' layers, and builds
+workers with :func:`worker_from_configs`). The module's switches
+(``PREFIX_MATCH_UNIT``, ``KV_CACHE_LAYOUT``, ``HIT_ALIGNMENT``, ...) name the
+first release of each step.
 
 cfg keys (all optional; see ``_DEFAULTS``): ``model``, ``num_kv_heads`` (model
 total), ``num_attention_heads``, ``head_size``, ``use_mla``, ``num_layers``,
