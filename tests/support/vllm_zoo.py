@@ -701,9 +701,9 @@ def build_worker(name: str, tp_size: int, store: Any, *, connector: str = "drop-
     ``cfg``: further ``support.vllm_workers`` cfg keys (``lookup_server``, ...). Release it
     with ``support.vllm_workers.release``."""
     lay = layout(name, tp_size, connector)
-    # Each worker gets its own copies, as each worker process holds its own.
-    vc = copy.copy(lay.vllm_config)
-    return vllm_workers.worker_from_configs({"tp_size": tp_size, "model": lay.arch.model, **cfg}, vc,
+    # Each worker gets its own KV-cache config, as each worker process holds its own; the
+    # VllmConfig (the engine core's, after planning) is shared, and the worker only reads it.
+    return vllm_workers.worker_from_configs({"tp_size": tp_size, "model": lay.arch.model, **cfg}, lay.vllm_config,
                                             copy.deepcopy(lay.kv_cache_configs[0]), store)
 
 
