@@ -55,9 +55,11 @@ import re, sys, zipfile
 wheel = zipfile.ZipFile(sys.argv[1])
 meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
 # GPU kernels, CUDA, multimedia and torch itself stay out: the lookup code does not import them.
+# (compressed-tensors stays in: pure Python, and the model files support.vllm_zoo reads, e.g.
+# Qwen3-Next's, import it.)
 skip = re.compile(r"^(torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer|apache-tvm|tilelang|"
                   r"nvidia|nvtx|fastsafetensors|instanttensor|quack|tokenspeed|humming|numba|opencv|mistral.common|"
-                  r"compressed-tensors|depyf|outlines.core|lm-format|anthropic|mcp|opentelemetry|model-hosting)",
+                  r"depyf|outlines.core|lm-format|anthropic|mcp|opentelemetry|model-hosting)",
                   re.I)
 for line in wheel.read(meta).decode().splitlines():
     if line.startswith("Requires-Dist: ") and "extra ==" not in line:
@@ -110,19 +112,25 @@ new_venv() {  # $1: a cached venv, $2: its recipe, $3: what it is. Fails when $1
 vllm_deps_venv() {  # makes (once) and prints the venv every release's tests run in
   local dir="$CACHE/vllm-deps" wheel
   prune_cache
+  wheel=$(vllm_wheel vllm "$VLLM_DEPS_FROM")
   if new_venv "$dir" "$VLLM_VENV_RECIPE" "the vLLM dependency venv"; then
-    wheel=$(vllm_wheel vllm "$VLLM_DEPS_FROM")
     vllm_requirements "$wheel" >"$dir/requirements-light.txt"
     "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
     echo "recipe $VLLM_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
   fi
   write_pth "$dir" "$(project_site)"  # this checkout's venv, wherever it is
   # pip counted the packages of the project venv that built this venv as installed; this
-  # checkout's venv may lack some (a fresh clone has no asv, hence no PyYAML): add them here
-  # (a few seconds when nothing is missing).
+  # checkout's venv may lack some (a fresh clone has no asv, hence no PyYAML), and the list
+  # of requirements may have grown since the venv was built: add them here (a few seconds
+  # when nothing is missing).
+  vllm_requirements "$wheel" >"$dir/requirements-light.txt"
   "$dir/bin/pip" install "${PIP_FLAGS[@]}" -r "$dir/requirements-light.txt" >&2
   echo "$dir"
 }
+
+# Of vllm/third_party/, only the flash-linear-attention Triton code (Python, 200 KB) is unpacked:
+# Qwen3-Next's model file imports it (support.vllm_zoo reads its layers).
+VLLM_THIRD_PARTY_KEPT="vllm/third_party/__init__.py vllm/third_party/flash_linear_attention/"
 
 vllm_release() {  # $1: a version, $2: the distribution (default vllm); unpacks once, prints the dir
   local ver=$1 dist=${2:-vllm} dir wheel
@@ -131,13 +139,24 @@ vllm_release() {  # $1: a version, $2: the distribution (default vllm); unpacks 
     wheel=$(vllm_wheel "$dist" "$ver")
     rm -rf "$dir" && mkdir -p "$dir"
     # The lookup code is pure Python: the GPU kernels (most of the wheel) stay packed.
-    "$PY" - "$wheel" "$dir" <<'EOF'
+    "$PY" - "$wheel" "$dir" $VLLM_THIRD_PARTY_KEPT <<'EOF'
 import sys, zipfile
+kept = tuple(sys.argv[3:])
 with zipfile.ZipFile(sys.argv[1]) as wheel:
     wheel.extractall(sys.argv[2], [n for n in wheel.namelist() if not (
-        n.endswith(".so") or n.startswith(("vllm/vllm_flash_attn/", "vllm/third_party/")))])
+        n.endswith(".so") or n.startswith(("vllm/vllm_flash_attn/", "vllm/third_party/")) and not n.startswith(kept))])
 EOF
-    touch "$dir/.mooncake_keys-ready"
+    touch "$dir/.mooncake_keys-ready" "$dir/.mooncake_keys-third-party"
+  elif [ ! -f "$dir/.mooncake_keys-third-party" ]; then
+    # unpacked by an earlier recipe, without any of third_party/: add the part kept
+    wheel=$(vllm_wheel "$dist" "$ver")
+    "$PY" - "$wheel" "$dir" $VLLM_THIRD_PARTY_KEPT <<'EOF'
+import sys, zipfile
+kept = tuple(sys.argv[3:])
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    wheel.extractall(sys.argv[2], [n for n in wheel.namelist() if n.startswith(kept)])
+EOF
+    touch "$dir/.mooncake_keys-third-party"
   fi
   echo "$dir"
 }

@@ -76,3 +76,44 @@ def test_what_is_not_a_deployment_or_an_option_is_refused():
     partial = mk.Deployment("m", [F(32)], mk.ParallelLayout(), hash_block_size=16, partial_hash_hits=True)
     with pytest.raises(ValueError, match="partial_hash_hits is not supported"):
         mk.KVPool.for_deployment(partial, rank=(0, 0, 0, 0), kv_caches=torch.zeros(4, 8), store=mk.MemoryStore())
+
+
+def test_a_masked_groups_answers_land_by_strided_slices_as_chunk_by_chunk():
+    """A sliding-window group's lookup mask repeats every scheduler block: its answers are put in
+    place by one strided slice per masked position (``Stride``), the cut ends chunk by chunk.
+    The presence equals the chunk-by-chunk scatter for every window, EAGLE shift, skip and
+    number of answers (rounds hand over the first answers only)."""
+    import random
+
+    from mooncake_keys.lookup.deployment import Stride
+
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(300):
+        bs = rng.choice([4, 8, 16])
+        per = rng.choice([2, 4, 8, 32])
+        eagle = rng.random() < 0.3
+        swa = G(S(bs, rng.randint(1, (per - 1) * bs)), is_eagle_group=eagle)
+        groups = [G(F(bs * per)), swa] if rng.random() < 0.5 else [swa, G(F(bs * per))]
+        dep = mk.Deployment("m", groups, mk.ParallelLayout(tp_size=1), hash_block_size=bs, use_eagle=eagle)
+        g = groups.index(swa)
+        n_hashes = rng.randint(0, 40 * per)
+        token_len = n_hashes * bs // (bs * per) * (bs * per)
+        if token_len == 0:
+            continue
+        skip = rng.choice([0, 0, rng.randint(0, token_len)])
+        plan = dep.plan(token_len, n_hashes, skip)
+        group = plan.groups[g]
+        if group.stride is None:
+            continue
+        for n in {len(group.asked), rng.randint(0, len(group.asked))}:
+            flags = bytes(rng.randint(0, 1) for _ in range(n))
+            want = bytearray(group.num_chunks)
+            for j in group.presumed:
+                want[j] = 1
+            for j, f in zip(group.asked, flags):
+                want[j] = f
+            assert plan.presence_of(g, flags) == want, (bs, per, eagle, token_len, skip, n)
+            checked += 1
+    assert checked > 100
+    assert Stride.of(__import__("array").array("q", [1, 2, 5, 6, 9]), 4) is None  # too short to repeat

@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import mooncake_keys as mk
 
-from .scenarios import STANDARD, Request, Scenario, keys_of, make_request
+from .scenarios import SCENARIOS as BY_NAME
+from .scenarios import Request, Scenario, keys_of, make_request
 from .table import text_table
 
 __all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "MasterSession", "available_impls",
@@ -39,8 +40,9 @@ __all__ = ["HIT_FRACTIONS", "SCENARIOS", "IMPLS", "MasterSession", "available_im
 
 #: Fractions of the prefix stored.
 HIT_FRACTIONS = (0.0, 0.1, 0.5, 0.9, 1.0)
-#: The standard scenarios measured (see ``scenarios.STANDARD``).
-SCENARIOS = "abde"
+#: The scenarios measured: standard ones (``scenarios.STANDARD``) and the flagship layouts
+#: (``scenarios.FLAGSHIP``: DeepSeek-V4-Flash's, Qwen3-Next's).
+SCENARIOS = "abdefg"
 IMPLS = ("oneshot", "rounds", "vllm")
 #: The targets for rounds (docs/benchmarks.md), on scenarios a, b and e at every fraction:
 #: keys at most this many times the floor (the keys the answer depends on) ...
@@ -52,6 +54,8 @@ CALLS_TARGET = {False: 2, True: 3}
 #: time at a full hit at most this many times the one-shot time, and at a 10 % hit this many.
 FULL_HIT_RATIO_TARGET = 1.05
 TENTH_HIT_RATIO_TARGET = 0.5
+#: A DeepSeek-V4 lookup (scenario f) at a 10 % hit: at most this many times vLLM 0.33's time.
+DSV4_TENTH_HIT_VS_VLLM_TARGET = 0.2
 
 Progress = Optional[Callable[[str], Any]]
 
@@ -119,6 +123,8 @@ def floor_keys(sc: Scenario, req: Request, stored_tokens: int, hit: int) -> int:
         have = dep.chunks_with_hash(g, req.token_len, req.n)
         if isinstance(grp.spec, mk.SlidingWindowSpec):
             total += min(grp.spec.blocks_needed(False), hit // bs) * r
+        elif isinstance(grp.spec, mk.MambaSpec):  # its state at the hit
+            total += min(1, hit // bs) * r
         else:
             total += min(stored_tokens // bs + 1, have) * r
     return total
@@ -202,14 +208,14 @@ class MasterSession:
         (every group, every namespace); stored once per session."""
         key = (sname, fraction)
         if key not in self._stored:
-            sc = STANDARD[sname]
+            sc = BY_NAME[sname]
             req = _fraction_request(sc, fraction)
             store_keys(self.holder, keys_of(sc, req, _stored_tokens(sc, fraction)), self._ptr, 64)
             self._stored[key] = req
         return self._stored[key]
 
     def runner(self, impl: str, sname: str) -> "_Runner":
-        return _Runner(impl, STANDARD[sname], self.looker)
+        return _Runner(impl, BY_NAME[sname], self.looker)
 
 
 def available_impls() -> List[str]:
@@ -234,7 +240,7 @@ def run_on_master(*, scenarios: str = SCENARIOS, fractions: Sequence[float] = HI
             runners = {impl: session.runner(impl, sname) for impl in impls}
             for fraction in fractions:
                 req = session.stored_request(sname, fraction)
-                stored = _stored_tokens(STANDARD[sname], fraction)
+                stored = _stored_tokens(BY_NAME[sname], fraction)
                 rows += _measure(sname, fraction, stored, req, runners, repeat)
                 if progress:
                     progress(f"scenario {sname}, {fraction:.0%} stored")
@@ -262,7 +268,7 @@ def _measure(sname: str, fraction: float, stored: int, req: Request, runners: Di
             runners[impl].lookup(req)
             times[impl].append((time.perf_counter() - t0) * 1e3)
     median = {impl: statistics.median(t) for impl, t in times.items()}
-    floor = floor_keys(STANDARD[sname], req, stored, hits["oneshot"])
+    floor = floor_keys(BY_NAME[sname], req, stored, hits["oneshot"])
     return [dict(scenario=sname, fraction=fraction, stored_tokens=stored, token_len=req.token_len, impl=impl,
                  hit=hits[impl], calls=counts[impl][0], keys=counts[impl][1], leases=counts[impl][2],
                  floor=floor, ms=median[impl], ratio_vs_oneshot=median[impl] / median["oneshot"])
@@ -285,7 +291,7 @@ def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:
     rounds = [r for r in rows if r["impl"] == "rounds" and r["scenario"] in "abe"]
     for sname in sorted({r["scenario"] for r in rounds}):
         mine = [r for r in rounds if r["scenario"] == sname]
-        swa = any(isinstance(g.spec, mk.SlidingWindowSpec) for g in STANDARD[sname].groups)
+        swa = any(isinstance(g.spec, mk.SlidingWindowSpec) for g in BY_NAME[sname].groups)
         worst = max(mine, key=lambda r: r["keys"] / (FLOOR_RATIO_TARGET * r["floor"] + FLOOR_SLACK_KEYS))
         ok = all(r["keys"] <= FLOOR_RATIO_TARGET * r["floor"] + FLOOR_SLACK_KEYS for r in mine)
         out.append(f"target {sname}: keys <= {FLOOR_RATIO_TARGET:g} x floor + {FLOOR_SLACK_KEYS} at every fraction: "
@@ -300,6 +306,13 @@ def check_targets(rows: Sequence[Dict[str, Any]]) -> List[str]:
                 verdict = "met" if row["ratio_vs_oneshot"] <= target else "NOT met"
                 out.append(f"target {sname}: time at a {fraction:.0%} hit <= {target:g}x one-shot: "
                            f"{row['ratio_vs_oneshot']:.3f}x, {verdict}")
+    by = {(r["scenario"], r["fraction"], r["impl"]): r for r in rows}
+    mine, theirs = by.get(("f", 0.1, "rounds")), by.get(("f", 0.1, "vllm"))
+    if mine is not None and theirs is not None:
+        ratio = mine["ms"] / theirs["ms"]
+        verdict = "met" if ratio <= DSV4_TENTH_HIT_VS_VLLM_TARGET else "NOT met"
+        out.append(f"target f (DeepSeek-V4-Flash): time at a 10% hit <= {DSV4_TENTH_HIT_VS_VLLM_TARGET:g}x vLLM 0.33: "
+                   f"{ratio:.3f}x ({mine['ms']:.2f} ms against {theirs['ms']:.2f} ms), {verdict}")
     return out
 
 

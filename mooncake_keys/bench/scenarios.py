@@ -42,7 +42,7 @@ from . import baselines
 from ..lookup import _core, keycache
 
 __all__ = [
-    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "Scenario", "Request", "stub_store", "Impl",
+    "IMPLS", "LAYOUTS", "GROUPS", "STANDARD", "FLAGSHIP", "SCENARIOS", "Scenario", "Request", "stub_store", "Impl",
     "build_impl", "grid_scenario", "make_request", "count_keys", "keys_of",
     "membership_answer", "memo", "Bench", "lookup_bench", "prime", "burn_in", "BenchState",
 ]
@@ -85,6 +85,12 @@ class Scenario:
     present: float = 0.75
     model_name: str = MODEL
     use_eagle: bool = False
+    #: The served model whose layout this is, as ``support.vllm_zoo`` names it, and its TP size:
+    #: the ``vllm`` impl builds that deployment's worker with vLLM's own code (and checks that
+    #: this scenario is its layout). None: the worker is built from the groups here.
+    vllm_model: Optional[Tuple[str, int]] = None
+    #: The impls that can run it (``seed`` / ``pre`` re-express vLLM 0.25-era code: no Mamba groups).
+    impls: Tuple[str, ...] = tuple(IMPLS)
 
     @property
     def scheduler_block_size(self) -> int:
@@ -133,6 +139,37 @@ STANDARD: Dict[str, Scenario] = {
 }
 
 
+def _mla_swa(bs: int, window: int, head_size: int) -> mk.KVCacheGroup:
+    return mk.KVCacheGroup(mk.SlidingWindowSpec(bs, window, head_size=head_size, use_mla=True))
+
+
+#: The layouts where lookups cost most, as vLLM 0.33's own code lays them out for a CUDA
+#: deployment (``tests/support/vllm_zoo.py``; docs/benchmarks.md "The flagship layouts"): the
+#: groups, block sizes, windows, hash block and rank layout its planning gives these models at
+#: TP 8. The ``vllm`` impl builds the very deployment with vLLM's code and refuses to run where
+#: this data is not its layout. 32-byte hashes (vLLM's sha256).
+FLAGSHIP: Dict[str, Scenario] = {
+    # (f) DeepSeek-V4-Flash, TP 8 (MLA: 1 namespace): the 128-token window of every layer (two
+    # groups, SWA(64, 128)), the compressed MLA states (256-token blocks: states of 4 and 128
+    # tokens), the ratio-4 compressors' states (SWA(4, 8)) and the ratio-128 ones' (SWA(8, 128));
+    # hashes of 4 tokens, scheduler block 256; 16,384 hashes (65,536 tokens).
+    "f": Scenario("f", (_mla_swa(64, 128, 512), _mla_swa(64, 128, 512),
+                        mk.KVCacheGroup(mk.FullAttentionSpec(256, head_size=512, use_mla=True)),
+                        _mla_swa(4, 8, 2048), _mla_swa(8, 128, 1024)),
+                  mk.ParallelLayout(tp_size=8, num_kv_heads=1, use_mla=True), 4, 16384,
+                  model_name="DeepSeek-V4-Flash", vllm_model=("DeepSeek-V4-Flash", 8), impls=("c", "py", "vllm")),
+    # (g) Qwen3-Next-80B, TP 8: three Gated DeltaNet groups (Mamba, align mode: a namespace per
+    # TP rank) and full attention (2 KV heads: 2 namespaces), one 192-token block size (vLLM
+    # makes the attention page as large as a Mamba state's); 683 hashes (131,136 tokens).
+    "g": Scenario("g", (mk.KVCacheGroup(mk.MambaSpec(192)),) * 3
+                  + (mk.KVCacheGroup(mk.FullAttentionSpec(192, head_size=256)),),
+                  mk.ParallelLayout(tp_size=8, num_kv_heads=2), 192, 683,
+                  model_name="Qwen3-Next-80B-A3B-Instruct", vllm_model=("Qwen3-Next-80B", 8), impls=("c", "py", "vllm")),
+}
+#: Every scenario by name.
+SCENARIOS: Dict[str, Scenario] = {**STANDARD, **FLAGSHIP}
+
+
 def grid_scenario(n_hashes: int, r: int, groups: str = "full", hash_len: int = 32) -> Scenario:
     """A scenario of the size grid: ``r`` namespaces (1, 8, 32), a group set of ``GROUPS``."""
     make, hbs = GROUPS[groups]
@@ -179,11 +216,12 @@ def count_keys(scenario: Scenario) -> int:
 # ------------------------------------------------------------------------------------ store
 def keys_of(scenario: Scenario, request: Request, token_len: int) -> List[str]:
     """The keys a lookup of ``token_len`` tokens of ``request`` sends. Built by mooncake_keys
-    when it has its compiled core (fast), else by the ``seed`` baseline (:mod:`.baselines`): the two give the very same
-    strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
+    when it has its compiled core (fast) or the scenario is one the ``seed`` baseline cannot
+    express (a flagship layout), else by that baseline (:mod:`.baselines`): the two give the
+    very same strings (``check_baselines.py`` checks it on these scenarios and on random ones)."""
     if token_len <= 0:
         return []
-    if _core.ACCELERATED:
+    if _core.ACCELERATED or "seed" not in scenario.impls:
         eng = mk.LookupEngine.for_deployment(scenario.deployment(), store=mk.RecordingStore(), key_cache_bytes=0,
                                              spare_key_bytes=0)
         return eng.candidate_keys(token_len, mk.BlockHashes.from_blob(request.blob, request.hash_len))

@@ -19,7 +19,7 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .scenarios import IMPLS, STANDARD, Impl, Request, build_impl, make_request, membership_answer, stub_store
+from .scenarios import IMPLS, SCENARIOS, STANDARD, Impl, Request, build_impl, make_request, membership_answer, stub_store
 from .table import text_table
 from ..lookup import _core
 
@@ -81,7 +81,8 @@ def sample_ns(runner: "Impl", reqs: Sequence["Request"], cold: bool) -> Tuple[in
 def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[str] = tuple(IMPLS),
                  scenarios: Sequence[str] = tuple(STANDARD), modes: Sequence[str] = ("cold", "warm"),
                  sample_ms: float = 20.0, max_batch: int = 50) -> List[Dict[str, Any]]:
-    """Time each impl on the standard scenarios, cold and warm; one row per (scenario, mode, impl).
+    """Time each impl on the standard scenarios (or any of ``scenarios.SCENARIOS``: the flagship
+    layouts run the impls they name), cold and warm; one row per (scenario, mode, impl).
 
     Row fields: ``scenario``, ``mode``, ``impl``, ``keys`` (keys sent per lookup), ``ns_per_lookup``,
     ``ns_per_key``, ``lookups_per_s``, ``ratio_vs_seed``, ``ratio_vs_pre`` and ``ratio_vs_vllm``
@@ -95,13 +96,13 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
     after each round. Raises RuntimeError if the implementations disagree on a hit, or if a cold
     lookup was served by the engine's key cache.
     """
-    impls = available(impls)
     rows: List[Dict[str, Any]] = []
     for sname in scenarios:
-        sc = STANDARD[sname]
+        sc = SCENARIOS[sname]
+        here = available([i for i in impls if i in sc.impls])
         first = make_request(sc, 0)
         store = stub_store(membership_answer(sc, first))
-        runners = {impl: build_impl(impl, sc, store) for impl in impls}
+        runners = {impl: build_impl(impl, sc, store) for impl in here}
         keys = len(store.answer)
         hits = {}
         for impl, runner in runners.items():  # twice: the engine keeps a request on its second sight
@@ -109,7 +110,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
         if len(set(hits.values())) != 1:
             raise RuntimeError(f"scenario {sname}: implementations disagree on the hit: {hits}")
         batch = _batch_sizes(runners, first, modes, sample_ms, max_batch)
-        n_cold = max((batch[("cold", i)] for i in impls), default=0) if "cold" in modes else 0
+        n_cold = max((batch[("cold", i)] for i in here), default=0) if "cold" in modes else 0
         if progress:
             progress(f"scenario {sname}: {keys} keys per lookup")
         samples: Dict[tuple, List[Tuple[float, float]]] = {k: [] for k in batch}
@@ -132,7 +133,7 @@ def run_standard(repeat: int = 5, progress: Progress = None, *, impls: Sequence[
                     samples[(mode, impl)].append((ns / n, flt / n))
             if progress:
                 progress(f"scenario {sname}: round {rnd + 1}/{repeat}")
-        rows += _rows(sname, keys, hits, samples, modes, impls)
+        rows += _rows(sname, keys, hits, samples, modes, here)
     return rows
 
 

@@ -1,4 +1,5 @@
-"""The run of ``mooncake_keys bench``: the standard scenarios side by side with vLLM's own lookup.
+"""The run of ``mooncake_keys bench``: the standard scenarios and the flagship layouts
+(DeepSeek-V4-Flash's and Qwen3-Next's, ``scenarios.FLAGSHIP``) side by side with vLLM's own lookup.
 
 The scenarios and baselines live in ``mooncake_keys.bench``, so the command works from an
 installed wheel: ``vllm`` is the installed vLLM 0.33's real lookup (left out, with a note,
@@ -26,14 +27,17 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..lookup import _core
 from . import sidebyside
-from .scenarios import (IMPLS, STANDARD, build_impl, burn_in, grid_scenario, lookup_bench, make_request,
+from .scenarios import (FLAGSHIP, IMPLS, STANDARD, build_impl, burn_in, grid_scenario, lookup_bench, make_request,
                         membership_answer, prime, stub_store)
 
 __all__ = ["run_bench", "summarise", "speedup", "sweep", "scaling", "scaling_lines", "plot", "master_unavailable"]
 
-#: (mode, impl, scenarios, at least this many times faster than vLLM 0.33): the targets of docs/benchmarks.md.
+#: (mode, impl, scenarios, at least this many times faster than vLLM 0.33): the targets of docs/benchmarks.md
+#: (the standard scenarios a-e; the flagship layouts f, g: DeepSeek-V4-Flash's and Qwen3-Next's).
 TARGETS = (("cold", "c", "abcde", 20.0), ("warm", "c", "abcde", 60.0), ("cold", "c", "d", 20.0),
-           ("cold", "py", "abcde", 2.0))
+           ("cold", "py", "abcde", 2.0), ("cold", "c", "fg", 40.0), ("warm", "c", "fg", 200.0))
+#: The scenario sets whose geometric means the summary gives.
+SUMMARISED = ("".join(STANDARD), "".join(FLAGSHIP))
 SWEEP_HASHES = (256, 1024, 4096, 16384)  # x 8 namespaces: 2k .. 131k keys per lookup
 
 
@@ -68,14 +72,15 @@ def speedup(rows: Sequence[Dict[str, Any]], mode: str, impl: str, scenarios: str
 
 def summarise(rows: Sequence[Dict[str, Any]]) -> List[str]:
     """Geometric-mean speed-ups per mode and implementation, and the targets against vLLM 0.33."""
-    names = "".join(sorted({r["scenario"] for r in rows}))
+    ran = {r["scenario"] for r in rows}
     lines = []
-    for mode in ("cold", "warm"):
-        for impl in ("c", "py"):
-            parts = [f"{speedup(rows, mode, impl, names, b):6.1f}x vs {b}" for b in ("vllm", "seed", "pre")
-                     if not math.isnan(speedup(rows, mode, impl, names, b))]
-            if parts:
-                lines.append(f"{mode:4} {impl:2}: " + ", ".join(parts) + f" (geometric mean of {', '.join(names)})")
+    for names in ("".join(n for n in group if n in ran) for group in SUMMARISED):
+        for mode in ("cold", "warm"):
+            for impl in ("c", "py"):
+                parts = [f"{speedup(rows, mode, impl, names, b):6.1f}x vs {b}" for b in ("vllm", "seed", "pre")
+                         if names and not math.isnan(speedup(rows, mode, impl, names, b))]
+                if parts:
+                    lines.append(f"{mode:4} {impl:2}: " + ", ".join(parts) + f" (geometric mean of {', '.join(names)})")
     for mode, impl, scen, target in TARGETS:
         got = speedup(rows, mode, impl, scen, "vllm")
         if not math.isnan(got):
@@ -205,7 +210,7 @@ def run_master_section(repeat: int, plot_path: Optional[str], quick: bool, out=p
     if missing:
         out(f"note: no real-master section in this run: {missing}")
         return
-    scenarios, fractions = ("a", (0.0, 1.0)) if quick else (on_master.SCENARIOS, on_master.HIT_FRACTIONS)
+    scenarios, fractions = ("af", (0.0, 0.1, 1.0)) if quick else (on_master.SCENARIOS, on_master.HIT_FRACTIONS)
     out(f"\nreal mooncake_master on loopback: scenarios {', '.join(scenarios)}, prefix stored "
         f"{', '.join(f'{f:.0%}' for f in fractions)}; median of {repeat} interleaved lookups each")
     bar = _Bar(len(scenarios) * len(fractions))
@@ -271,9 +276,10 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = None, out=print, *, ma
     missing = unavailable()
     if missing:
         out(f"note: no vLLM 0.33 baseline in this run: {missing}")
-    bar = _Bar(len(STANDARD) * (repeat + 1) + len(SWEEP_HASHES) + len(SCALING_HASHES))
+    scenarios = tuple(STANDARD) + tuple(FLAGSHIP)
+    bar = _Bar(len(scenarios) * (repeat + 1) + len(SWEEP_HASHES) + len(SCALING_HASHES))
     t0 = time.perf_counter()
-    rows = sidebyside.run_standard(repeat=repeat, progress=bar.step)
+    rows = sidebyside.run_standard(repeat=repeat, progress=bar.step, scenarios=scenarios)
     points = sweep(max(2, repeat // 2), bar)
     scale = scaling(max(3, repeat), bar)
     bar.close()

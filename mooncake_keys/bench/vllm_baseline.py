@@ -17,7 +17,7 @@ import logging
 from types import ModuleType
 from typing import Any, Dict, Optional
 
-__all__ = ["VllmLookup", "scenario_cfg", "unavailable", "workers", "HARNESS"]
+__all__ = ["VllmLookup", "scenario_cfg", "layout_difference", "unavailable", "workers", "HARNESS"]
 
 #: The vLLM release the baseline is measured against.
 RELEASE = "0.33"
@@ -87,8 +87,35 @@ def scenario_cfg(scenario: Any) -> Dict[str, Any]:
     return cfg
 
 
+def layout_difference(scenario: Any, worker: Any) -> Optional[str]:
+    """How a scenario differs from the deployment of vLLM's ``worker`` (its groups, their block
+    sizes and windows, the rank layout, the hash and scheduler block sizes, the key prefixes),
+    or None when it is that deployment."""
+    from ..lookup.engine import LookupEngine
+    from ..store.recording import RecordingStore
+    from ..vllm.worker import deployment_of_worker
+
+    theirs = deployment_of_worker(worker, RELEASE)
+    ours = scenario.deployment()
+
+    def shape(dep: Any) -> Any:
+        return ([(type(g.spec).__name__, g.spec.block_size, getattr(g.spec, "sliding_window", None),
+                  g.spec.use_mla, g.is_eagle_group) for g in dep.groups],
+                dep.layout, dep.hash_block_size, dep.scheduler_block_size)
+
+    if shape(ours) != shape(theirs):
+        return f"vLLM lays it out as {shape(theirs)}, the scenario as {shape(ours)}"
+    prefixes = LookupEngine.for_deployment(ours, store=RecordingStore()).prefixes
+    if prefixes != tuple(tuple(p) for p in worker._lookup_key_prefixes):
+        return "its key prefixes differ from vLLM's"
+    return None
+
+
 class VllmLookup:
-    """``lookup(token_len, blob, hash_len) -> hit`` by vLLM's own worker for one scenario."""
+    """``lookup(token_len, blob, hash_len) -> hit`` by vLLM's own worker for one scenario: built
+    from the scenario's groups, or, for a served model's layout (``scenario.vllm_model``), by
+    the harness's model zoo from vLLM's own code, with vLLM's own connector; such a scenario
+    must be that deployment (``RuntimeError`` otherwise)."""
 
     def __init__(self, scenario: Any, store: Any) -> None:
         reason = unavailable()
@@ -96,7 +123,15 @@ class VllmLookup:
             raise NotImplementedError(reason)
         vllm_workers = workers()
         vllm_workers.quiet(logging.CRITICAL)
-        self.worker = vllm_workers.build_worker(scenario_cfg(scenario), store)
+        if getattr(scenario, "vllm_model", None) is None:
+            self.worker = vllm_workers.build_worker(scenario_cfg(scenario), store)
+        else:
+            name, tp_size = scenario.vllm_model
+            self.worker = vllm_workers.model_zoo().build_worker(name, tp_size, store, connector="vllm")
+            difference = layout_difference(scenario, self.worker)
+            if difference is not None:
+                raise RuntimeError(f"scenario {scenario.name} is not vLLM {RELEASE}'s layout of {name} at TP "
+                                   f"{tp_size}: {difference}")
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
 
         self._view = BlobBlockHashes

@@ -24,6 +24,7 @@ lookup answers 0 with one warning line on the ``mooncake_keys.lookup`` logger (a
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from array import array
@@ -346,12 +347,23 @@ class LookupEngine(DeploymentViews):
                 first = flags.find(0)
                 codes = first >= 0 and self._error_codes(results[first * r:(first + 1) * r], len(results))
                 return [flags], present, codes
-            out, off, present = [], 0, 0
+            # One reduction by the namespaces every piece's count is a multiple of, then each
+            # piece's chunks by strided slices: slicing the answers per piece copied them all
+            # (Qwen3-Next at TP 8: 17,758 answers, its Mamba groups in 8 namespaces, its
+            # attention in 2).
+            unit = math.gcd(*(r for _, r in pieces))
+            flags, present = dep.reduce(results, unit)
+            out, off = [], 0
             for n, r in pieces:
-                f, p = dep.reduce(results[off:off + n * r], r) if n else (b"", 0)
-                out.append(f)
-                present += p
-                off += n * r
+                m = r // unit
+                part = flags[off:off + n * m]
+                if m > 1:
+                    acc = int.from_bytes(part[0::m], "little")
+                    for t in range(1, m):
+                        acc &= int.from_bytes(part[t::m], "little")
+                    part = bytearray(acc.to_bytes(n, "little"))
+                out.append(part)
+                off += n * m
             off, codes = 0, False
             for (n, r), f in zip(pieces, out):
                 first = f.find(0)

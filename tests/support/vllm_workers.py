@@ -65,11 +65,15 @@ worker gets them from the engine core: ``cache_config.block_size`` is set to the
 block size the worker sees (default: the smallest prefix-cacheable group block
 size, as ``EngineCore`` sets it; before 0.30 the smallest of all groups); from
 0.32 ``KVCacheConfig.hash_block_size`` / ``cache_hit_alignment_tokens`` come
-from ``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens``;
-from 0.29 the KV cache layout is adopted with ``record_kv_cache_layout``.  The
-KV-cache groups are given by the caller (the engine's layer-grouping step is
-not run). The module's switches (``PREFIX_MATCH_UNIT``, ``KV_CACHE_LAYOUT``,
-``HIT_ALIGNMENT``, ...) name the first release of each step.
+from ``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens``,
+asked of the scheduler's copy of the config as the engine core asks them
+(:func:`resolve_engine_core_sizes`); from 0.29 the KV cache layout is adopted
+with ``record_kv_cache_layout``.  The KV-cache groups are given by the caller
+(the engine's layer-grouping step is not run here; ``support.vllm_zoo``, reached
+through :func:`model_zoo`, runs it, from real architectures' layers, and builds
+workers with :func:`worker_from_configs`). The module's switches
+(``PREFIX_MATCH_UNIT``, ``KV_CACHE_LAYOUT``, ``HIT_ALIGNMENT``, ...) name the
+first release of each step.
 
 cfg keys (all optional; see ``_DEFAULTS``): ``model``, ``num_kv_heads`` (model
 total), ``num_attention_heads``, ``head_size``, ``use_mla``, ``num_layers``,
@@ -163,7 +167,7 @@ CACHEABLE_BLOCK_SIZE = VERSION_TUPLE >= (0, 30)
 MooncakeStoreWorker = _worker_mod.MooncakeStoreWorker
 MooncakeStoreConnector = _connector_mod.MooncakeStoreConnector
 
-_build_lock = threading.Lock()
+_build_lock = threading.RLock()
 _prepare_lock = threading.Lock()
 _workdir: str | None = None
 
@@ -388,7 +392,7 @@ def _hf_config(c: dict) -> dict:
     return hf
 
 
-def _model_dir(model: str, hf: dict, kind: str = "target") -> str:
+def model_dir(model: str, hf: dict, kind: str = "target") -> str:
     """``<workdir>/models/<digest>/<model path>``: the last component of the
     returned path is the last component of ``model``; a trailing ``/`` is kept."""
     parts = [p for p in model.split("/") if p]
@@ -422,7 +426,7 @@ def _draft_dir(c: dict, method: str) -> str:
         "torch_dtype": "bfloat16",
         "rms_norm_eps": 1e-6,
     }
-    return _model_dir(f"draft/{method}-draft", hf, kind="draft")
+    return model_dir(f"draft/{method}-draft", hf, kind="draft")
 
 
 _MODEL_CONFIGS: dict[str, ModelConfig] = {}
@@ -433,7 +437,7 @@ def _model_config(c: dict) -> ModelConfig:
     with ``cfg["reuse_model_config"]``, a shallow copy of one built earlier for
     the same config.json (the worker reads only ``model``,
     ``get_num_layers(parallel_config)`` and ``get_total_num_kv_heads()``)."""
-    path = _model_dir(c["model"], _hf_config(c))
+    path = model_dir(c["model"], _hf_config(c))
     if not c["reuse_model_config"]:
         return ModelConfig(model=path, skip_tokenizer_init=True, max_model_len=8192)
     cached = _MODEL_CONFIGS.get(path)
@@ -658,20 +662,32 @@ def _kv_cache_config(c: dict, vllm_config: VllmConfig, groups: list) -> Any:
         )
     kv_cache_config = _kvi.KVCacheConfig(**kv_kwargs2)
     if HIT_ALIGNMENT:
-        try:
-            sched_bs, hash_bs = _kvu.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-            align = c["cache_hit_alignment_tokens"]
-            if align == "auto":
-                align = _kvu.resolve_cache_hit_alignment_tokens(
-                    kv_cache_config, vllm_config, sched_bs, hash_bs
-                )
-        except Exception as e:
-            raise ConfigRejected("resolve_kv_cache_block_sizes", e) from e
+        resolve_engine_core_sizes(vllm_config, [kv_cache_config], c["cache_hit_alignment_tokens"])
+    return kv_cache_config
+
+
+def resolve_engine_core_sizes(vllm_config: VllmConfig, kv_cache_configs: list, align: Any = "auto") -> Any:
+    """What vLLM's engine core (0.32+) resolves once the workers' KV-cache configs are planned
+    (0.33: ``vllm/v1/engine/core.py`` 333-365): the hash block size and the hit alignment are
+    resolved on the *scheduler's* copy of the configs (``generate_scheduler_kv_cache_config``:
+    uniform-type groups unwrapped to their first layer spec), then set on every worker's config
+    and the scheduler's. Resolved on a worker's config instead, a deployment whose groups are
+    ``UniformTypeKVCacheSpecs`` (DeepSeek-V4: every group) is refused although vLLM serves it.
+    ``align``: ``"auto"`` (as the engine core), or a value set as it is (None: left unset).
+    Returns the scheduler's config."""
+    sched = _kvu.generate_scheduler_kv_cache_config(kv_cache_configs)
+    try:
+        sched_bs, hash_bs = _kvu.resolve_kv_cache_block_sizes(sched, vllm_config)
+        if align == "auto":
+            align = _kvu.resolve_cache_hit_alignment_tokens(sched, vllm_config, sched_bs, hash_bs)
+    except Exception as e:
+        raise ConfigRejected("resolve_kv_cache_block_sizes", e) from e
+    for kv_cache_config in (*kv_cache_configs, sched):
         kv_cache_config.hash_block_size = hash_bs
         kv_cache_config.cache_hit_alignment_tokens = align
-        vllm_config.cache_config.hash_block_size = hash_bs
-        vllm_config.cache_config.cache_hit_alignment_tokens = align
-    return kv_cache_config
+    vllm_config.cache_config.hash_block_size = hash_bs
+    vllm_config.cache_config.cache_hit_alignment_tokens = align
+    return sched
 
 
 # ---------------------------------------------------------------------------
@@ -709,6 +725,22 @@ _MOONCAKE_JSON = {
 
 
 @contextlib.contextmanager
+def parallel_groups(tp_size: int = 1, tp_rank: int = 0, pcp_size: int = 1, pcp_rank: int = 0,
+                    dcp_size: int = 1, dcp_rank: int = 0):
+    """vLLM's TP, PCP and DCP groups stood in (patch 1 of the module docstring) while the body
+    runs: what a rank's layers and worker read of them (the rank and the size)."""
+    with _build_lock:
+        saved = (_ps._TP, _ps._PCP, _ps._DCP)
+        try:
+            _ps._TP = _RankGroup(tp_rank, tp_size)
+            _ps._PCP = _RankGroup(pcp_rank, pcp_size)
+            _ps._DCP = _RankGroup(dcp_rank, dcp_size)
+            yield
+        finally:
+            _ps._TP, _ps._PCP, _ps._DCP = saved
+
+
+@contextlib.contextmanager
 def _worker_environment(c: dict, ranks: dict[str, int]):
     cfg_path = os.path.join(_prepare_process(), "mooncake.json")
     if not os.path.exists(cfg_path):
@@ -716,23 +748,19 @@ def _worker_environment(c: dict, ranks: dict[str, int]):
             json.dump(_MOONCAKE_JSON, f)
     ms, fake_modules = _mooncake_store_module()
     saved_mods = {k: sys.modules.get(k) for k in fake_modules}
-    saved_groups = (_ps._TP, _ps._PCP, _ps._DCP)
     saved_client = getattr(ms, "MooncakeDistributedStore", None)
     saved_server = _worker_mod.LookupKeyServer
     saved_env = os.environ.get("MOONCAKE_CONFIG_PATH")
-    with _build_lock:
+    with _build_lock, parallel_groups(c["tp_size"], ranks["tp_rank"], c["pcp_size"], ranks["pcp_rank"],
+                                      c["dcp_size"], ranks["dcp_rank"]):
         try:
             sys.modules.update(fake_modules)
-            _ps._TP = _RankGroup(ranks["tp_rank"], c["tp_size"])
-            _ps._PCP = _RankGroup(ranks["pcp_rank"], c["pcp_size"])
-            _ps._DCP = _RankGroup(ranks["dcp_rank"], c["dcp_size"])
             ms.MooncakeDistributedStore = _PlaceholderMooncakeClient
             if not c["lookup_server"]:
                 _worker_mod.LookupKeyServer = _NoLookupServer
             os.environ["MOONCAKE_CONFIG_PATH"] = cfg_path
             yield
         finally:
-            _ps._TP, _ps._PCP, _ps._DCP = saved_groups
             ms.MooncakeDistributedStore = saved_client
             _worker_mod.LookupKeyServer = saved_server
             if saved_env is None:
@@ -761,8 +789,17 @@ def build_worker(cfg: dict, store: Any) -> Any:
     Raises ``ConfigRejected`` when vLLM refuses the configuration.
     """
     c = _normalize(cfg)
-    ranks = rank_layout(c)
     vllm_config, kv_cache_config = build_configs(c)
+    return worker_from_configs(c, vllm_config, kv_cache_config, store)
+
+
+def worker_from_configs(cfg: dict, vllm_config: Any, kv_cache_config: Any, store: Any) -> Any:
+    """``build_worker`` on configs built elsewhere (``support.vllm_zoo``: a real architecture's
+    layout planned by vLLM's own code). ``cfg`` gives the rank (``tp_rank``, ...) and the
+    module's own switches (``via``, ``validate``, ``lookup_server``); its sizes must be those
+    of ``vllm_config``."""
+    c = _normalize(cfg)
+    ranks = rank_layout(c)
     with _worker_environment(c, ranks):
         if c["via"] == "connector":
             try:
@@ -908,6 +945,15 @@ def release(worker: Any) -> None:
             if ctx is not None:
                 ctx.term()
         worker.lookup_server = None
+
+
+def model_zoo() -> types.ModuleType:
+    """``support.vllm_zoo``: the KV-cache layouts of real architectures, built by vLLM 0.33's own
+    code (a module of its own; reached from here so that the benchmarks, which see only this
+    harness, can use it)."""
+    from support import vllm_zoo
+
+    return vllm_zoo
 
 
 def hit_length(result: Any) -> int:
