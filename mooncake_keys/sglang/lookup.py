@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 from .._checks import bool_arg, int_arg, str_arg
 from ..lookup import _core
 from ..lookup.deployment import GroupPlan, LookupPlan
-from ..lookup.rounds import ALL, Rounds, RoundsGroup
+from ..lookup.rounds import ALL, MIN_KEYS as ROUNDS_MIN_KEYS, Rounds, RoundsGroup
 from ..lookup.specs import FullAttentionSpec
 from ..lookup.store_calls import StoreCalls
 from .contract import DEFAULT_SGLANG, get_contract
@@ -49,11 +49,11 @@ __all__ = ["PoolQuery", "RankLookup", "RankLookupStats", "StoreFault", "MIN_KEYS
 
 logger = logging.getLogger("mooncake_keys.sglang")
 
-#: A query of fewer keys than this is asked one-shot. SGLang asks on its prefetch thread, so a
-#: second round trip (0.1-0.2 ms on loopback) delays no scheduler step; what rounds save is
-#: master work and read leases: 1,024 keys (a 32k-token MHA prompt at 64-token pages) ask in
-#: rounds (docs/benchmarks.md, the SGLang section).
-MIN_KEYS = 256
+#: A query of fewer KV keys than this is asked one-shot: vLLM's threshold (``lookup/rounds.py``), for
+#: the same reason: a round trip costs the master about as much as 100-200 keys, so a full hit of a
+#: shorter query pays more for its second round than its miss saves (measured through SGLang's own
+#: query path: a 1,024-key full hit took 1.3x as long in rounds; docs/benchmarks.md).
+MIN_KEYS = ROUNDS_MIN_KEYS
 #: Seconds a page found absent answers absent without asking (SGLang re-polls a miss every 8
 #: scheduling passes, up to 8 times).
 NEGATIVE_TTL = 1.0
@@ -152,10 +152,12 @@ class RankLookup:
         return not all(rank.replicated(q.pool) for q in pools)
 
     # ------------------------------------------------------------------ queries
-    def kv_pages(self, page_hashes: Sequence[str]) -> int:
-        """``batch_exists``: pages of ``page_hashes`` up to the first with a KV object missing."""
+    def kv_pages(self, page_hashes: Sequence[str], bound: bool = True) -> int:
+        """``batch_exists``: pages of ``page_hashes`` up to the first with a KV object missing;
+        ``bound=False``: this rank asks even where the single querier would answer the span (a
+        caller that reads this rank's own answers below the hit: SGLang's own v2)."""
         self._count(0)
-        if not self.asks():
+        if bound and not self.asks():
             return self._bound(len(page_hashes))
         return self._kv_hit(page_hashes)
 
@@ -280,15 +282,15 @@ class RankLookup:
             joined = "".join(page_hashes)
         except TypeError:
             raise ValueError("page_hashes must be str") from None
-        n = len(page_hashes)
-        width = len(page_hashes[0])
-        if not width or width % 2 or len(joined) != n * width or any(len(h) != width for h in page_hashes):
+        widths = set(map(len, page_hashes))
+        width = widths.pop()
+        if widths or not width or width % 2:
             raise ValueError("page_hashes must be hex digests of one even length")
         try:
             blob = bytes.fromhex(joined)
         except ValueError:
             raise ValueError("page_hashes must be hex digests") from None
-        if 2 * len(blob) != len(joined) or joined != joined.lower():
+        if 2 * len(blob) != len(joined) or any(c in joined for c in "ABCDEF"):  # not .lower(): 4x slower
             raise ValueError("page_hashes must be lowercase hex digests")
         self._hash_chars = width
         return blob, width // 2

@@ -72,6 +72,10 @@ class _State:
 
 _states: "weakref.WeakKeyDictionary[Any, _State]" = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
+#: Set while SGLang's own ``batch_exists_v2`` runs (a query ours did not answer): the
+#: ``batch_exists`` it calls then asks even on a non-writing rank, because SGLang's v2 reads that
+#: rank's own sidecar answers below the KV hit, which a bound would move.
+_in_sglang_v2 = threading.local()
 
 
 class _Backend:
@@ -161,7 +165,7 @@ def batch_exists(original: Any, store: Any, keys: Any, *args: Any, **kwargs: Any
     lookup = state.lookup
     if lookup is not None and not args[1:] and not kwargs.keys() - {"extra_info"}:
         try:
-            return lookup.kv_pages(keys)
+            return lookup.kv_pages(keys, bound=not getattr(_in_sglang_v2, "active", False))
         except ValueError as exc:  # checked before any store call
             _keep_sglang(state, f"batch_exists: {exc}")
     return original(store, keys, *args, **kwargs)
@@ -184,6 +188,11 @@ def batch_exists_v2(original: Any, store: Any, keys: Any, pool_transfers: Any = 
             _keep_sglang(state, f"batch_exists_v2: {exc}")
         else:
             return _transfer_result(answer, pool_transfers or ())
+        _in_sglang_v2.active = True
+        try:
+            return original(store, keys, pool_transfers, *args, **kwargs)
+        finally:
+            _in_sglang_v2.active = False
     return original(store, keys, pool_transfers, *args, **kwargs)
 
 
