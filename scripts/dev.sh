@@ -287,8 +287,8 @@ cmd_test() {
   done
   echo "== against SGLang $SGLANG_VERSION's own lookup code (both cores, a real mooncake_master, 2 gloo ranks)"
   local sg; sg=$(sglang_venv)
-  PYTHONPATH=$sg/pkg:$ROOT/tests/against_sglang/stubs TORCH_EXTENSIONS_DIR=$sg/torch_extensions MK_REQUIRE_REAL=1 \
-    MK_REQUIRE_SGLANG=$SGLANG_VERSION run_pytest "$sg/bin/python" -q -p no:cacheprovider tests/against_sglang
+  PATH=$sg/bin:$PATH PYTHONPATH=$sg/pkg:$ROOT/tests/against_sglang/stubs TORCH_EXTENSIONS_DIR=$sg/torch_extensions \
+    MK_REQUIRE_REAL=1 MK_REQUIRE_SGLANG=$SGLANG_VERSION run_pytest "$sg/bin/python" -q -p no:cacheprovider tests/against_sglang
   nothing_left
   echo "== inside vLLM's real engine ($ENGINE_DIST $ENGINE_VERSION on the CPU, a real mooncake_master)"
   local engine; engine=$(engine_venv)

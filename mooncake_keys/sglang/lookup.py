@@ -126,8 +126,10 @@ class RankLookup:
         self.strategy = strategy
         self.rounds_min_keys = int_arg("rounds_min_keys", rounds_min_keys, min=0)
         self.single_querier = bool_arg("single_querier", single_querier)
-        if isinstance(negative_ttl, bool) or not isinstance(negative_ttl, (int, float)) or not 0 <= negative_ttl <= 3600:
-            raise ValueError(f"negative_ttl must be a number of seconds in [0, 3600], got {negative_ttl!r}")
+        if isinstance(negative_ttl, bool) or not isinstance(negative_ttl, (int, float)):
+            raise TypeError(f"negative_ttl must be a number of seconds, got {type(negative_ttl).__name__}")
+        if not 0 <= negative_ttl <= 3600:  # nan fails it too
+            raise ValueError(f"negative_ttl must be in [0, 3600] seconds, got {negative_ttl!r}")
         self.negative_ttl = float(negative_ttl)
         self.negative_capacity = int_arg("negative_capacity", negative_capacity, min=1)
         self._clock = clock or time.monotonic

@@ -149,18 +149,23 @@ def test_what_cannot_be_reproduced_keeps_sglangs_lookup_with_one_log_line(oracle
         assert len(sglang_warnings(caplog)) == 1, (what, [r.getMessage() for r in caplog.records])
         assert expected == (0 if what == "direct linker" else want)
         assert len(sglang_warnings(caplog)) == 1, (what, [r.getMessage() for r in caplog.records])
-    # A pool kind not described (DSA's indexer): SGLang's own v2 for it, one line over queries.
-    store, ref = fresh(), fresh(None)
-    for st in (store, ref):
-        st.register_mem_host_pool_v2(SimpleNamespace(get_hybrid_pool_buffer=lambda: [], page_size=1), PoolName.INDEXER)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
-        for _ in range(3):
-            t = [PoolTransfer(name=PoolName.INDEXER, hit_policy=PoolHitPolicy.ALL_PAGES)]
-            got, exp = store.batch_exists_v2(hashes, t), ref.batch_exists_v2(hashes, t)
-            assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == (
-                exp.kv_hit_pages, exp.extra_pool_hit_pages, exp.restorable_prefix_pages) == (0, {PoolName.KV: 9}, [])
-    assert len(sglang_warnings(caplog)) == 1 and "indexer" in sglang_warnings(caplog)[0].getMessage()
+    # A pool kind not described (DSA's indexer): SGLang's own v2 for it, one line over queries,
+    # on the writing rank and on the other (whose KV answer SGLang's v2 reads: asked, no bound).
+    for rank in ((0, 0, 0), (1, 0, 0)):
+        store = oracle.build_store(case, rank, master_address, True)
+        ref = oracle.build_store(case, rank, master_address)
+        for st in (store, ref):
+            st.register_mem_host_pool_v2(SimpleNamespace(get_hybrid_pool_buffer=lambda: [], page_size=1),
+                                         PoolName.INDEXER)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mooncake_keys"):
+            for _ in range(3):
+                t = [PoolTransfer(name=PoolName.INDEXER, hit_policy=PoolHitPolicy.ALL_PAGES)]
+                got, exp = store.batch_exists_v2(hashes, t), ref.batch_exists_v2(hashes, t)
+                assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == (
+                    exp.kv_hit_pages, exp.extra_pool_hit_pages, exp.restorable_prefix_pages) == (0, {PoolName.KV: 9}, [])
+        assert len(sglang_warnings(caplog)) == 1 and "indexer" in sglang_warnings(caplog)[0].getMessage()
+        assert plugin.lookup_of(store).stats().bound_answers == 0
     # Page hashes that are not hex digests (another backend's keys): SGLang's own answer.
     caplog.clear()
     ours = fresh()
@@ -222,3 +227,16 @@ def test_the_storage_model_name_is_sglangs():
     for name in (None, "", "m", "org/m"):
         for tag in (None, "", "lbhnc"):
             assert storage_model_name(name, tag) == theirs(name, SimpleNamespace(storage_format_tag=tag)), (name, tag)
+
+
+def test_the_measurement_of_docs_benchmarks_runs(oracle, holder, master_address):
+    """measure.py (docs/benchmarks.md's SGLang figures), on one small configuration: its answers
+    are SGLang's (it checks them), a miss asks far fewer keys, and a re-poll none."""
+    import measure
+
+    name, fields, _ = measure.DEPLOYMENTS[0]
+    rows = measure.measure(master_address, holder, repeats=1, deployments=[(name, fields, (65536,))],
+                           fractions=(0.0, 0.5))
+    assert len(rows) == 4 and "SGLang keys" in measure.table(rows)
+    miss = rows[0]
+    assert miss["sglang_keys"] == 2048 and miss["ours_keys"] < 100 and miss["repoll_keys"] == 0
