@@ -240,3 +240,51 @@ def test_the_measurement_of_docs_benchmarks_runs(oracle, holder, master_address)
     assert len(rows) == 4 and "SGLang keys" in measure.table(rows)
     miss = rows[0]
     assert miss["sglang_keys"] == 2048 and miss["ours_keys"] < 100 and miss["repoll_keys"] == 0
+
+
+def test_sglangs_prefetch_thread_gets_sglangs_answers_and_its_fault_path(oracle, holder, master_address, caplog):
+    """SGLang's own prefetch thread (``HiCacheController.prefetch_thread_func``, on a thread as in
+    the scheduler process): a query ours answers comes out of SGLang's hit queue as SGLang's does;
+    a store that fails makes ours raise, and SGLang's thread turns that into 0 hits (its own log
+    line, beside our one) and goes on."""
+    import queue
+    import threading
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    class ThreadController(oracle.MiniController):
+        prefetch_thread_func = HiCacheController.prefetch_thread_func
+
+        def __init__(self, backend, page_size):
+            super().__init__(backend, page_size)
+            self.storage_stop_event = threading.Event()
+            self.prefetch_queue, self.prefetch_hit_queue = queue.Queue(), queue.Queue()
+
+    case = Case(seed=17, tp=2, page=16, pages=2100)
+    hashes = page_hashes(case)
+    theirs = oracle.build_store(case, (1, 0, 0), master_address)
+    stored_prefix(oracle, holder, theirs, case, hashes, 700)
+    ours = oracle.build_store(case, (1, 0, 0), master_address, True)
+    failing = oracle.build_store(case, (1, 0, 0), master_address, True)
+
+    def down(keys):
+        raise ConnectionError("master unreachable")
+
+    failing._batch_exist = down
+    got = {}
+    with caplog.at_level(logging.WARNING):
+        for name, store in (("sglang", theirs), ("ours", ours), ("fault", failing)):
+            ctl = ThreadController(store, case.page)
+            thread = threading.Thread(target=ctl.prefetch_thread_func, daemon=True)
+            thread.start()
+            ctl.prefetch_queue.put(oracle.operation(case, hashes, rid=name))
+            op = ctl.prefetch_hit_queue.get(timeout=60)
+            ctl.storage_stop_event.set()
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+            got[name] = (op.storage_hit_count, op.hash_value)
+    assert got["ours"] == got["sglang"] and got["sglang"][0] == 700 * 16
+    assert got["fault"] == (0, [])
+    ours_lines = [r for r in caplog.records if r.name.startswith("mooncake_keys") and r.levelno >= logging.WARNING]
+    assert len(ours_lines) == 1 and "master unreachable" in ours_lines[0].getMessage()
+    assert any("HiCache storage query failed" in r.getMessage() for r in caplog.records if r.name.startswith("sglang"))
