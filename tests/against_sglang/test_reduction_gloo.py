@@ -73,8 +73,8 @@ def test_two_gloo_ranks_reduce_ours_as_they_reduce_sglangs(oracle, holder, maste
         theirs = {r: oracle.build_store(case, r, master_address) for r in ranks}
         store_with_holes(oracle, holder, case, theirs, hashes)
         unreduced = [oracle.rank_result(oracle.result_of(theirs[r], case, hashes)) for r in ranks]
-        options = [dict(core="c", negative_ttl=0), dict(core="py", negative_ttl=0),
-                   dict(core="c", strategy="oneshot", negative_ttl=0)]
+        options = [dict(core="c", negative_ttl=0, rounds_min_keys=0), dict(core="py", negative_ttl=0),
+                   dict(core="c", strategy="oneshot", negative_ttl=0)]  # in rounds at any size; as deployed; one-shot
         peer.stdin.write(json.dumps({"case": case.to_json(), "options": options}) + "\n")
         peer.stdin.flush()
         mine = [oracle.synced(oracle.build_store(case, ranks[0], master_address, opts), case, hashes, world)
