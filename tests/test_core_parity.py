@@ -62,6 +62,12 @@ BAD_FILL = {
     "out too short": dict(index=array("q", [0, 1, 2])),
     "blob a non-byte memoryview": dict(blob=memoryview(bytes(range(8))).cast("H")),
     "index a numpy-like format": dict(index=memoryview(array("l", [0, 3]))),
+    "tails a list": dict(tails=["_k", "_v"]),
+    "tails with bytes": dict(tails=("_k", b"_v")),
+    "tails with a str subclass": dict(tails=("_k", type("S", (str,), {})("_v"))),
+    "fewer tails than heads": dict(tails=("_k",)),
+    "more tails than heads": dict(tails=("_k", "_v", "_w")),
+    "tails with an out too short": dict(tails=("_k", "_v"), index=array("q", [0, 1, 2])),
 }
 
 
@@ -70,7 +76,8 @@ def test_fill_keys_rejects_the_same_arguments_the_same_way(case):
     def make():
         args = dict(out=[None] * 4, **GOOD)
         args.update(BAD_FILL[case])
-        return (args["out"], args["pos"], args["heads"], args["blob"], args["hash_len"], args["index"])
+        tails = (args["tails"],) if "tails" in args else ()
+        return (args["out"], args["pos"], args["heads"], args["blob"], args["hash_len"], args["index"]) + tails
 
     (c, c_args), (p, p_args) = both("fill_keys", make)
     assert c == p
@@ -96,6 +103,49 @@ def test_fill_keys_gives_the_same_keys(n, r, hash_len, pos, seed, head_chars):
     assert c == p == ("ok", pos + n * r)
     assert c_args[0] == p_args[0]
     assert c_args[0][pos:pos + n * r] == [h + blob[i * hash_len:(i + 1) * hash_len].hex() for i in index for h in heads]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 6), r=st.integers(0, 4), hash_len=st.integers(1, 70), pos=st.integers(0, 3),
+    seed=st.integers(0, 2**32), chars=st.sampled_from(["ascii", "latin1", "bmp", "astral"]),
+    tail_chars=st.sampled_from(["ascii", "latin1", "bmp", "astral", "empty"]),
+    reuse=st.booleans(),
+)
+def test_fill_keys_with_tails_gives_the_same_keys(n, r, hash_len, pos, seed, chars, tail_chars, reuse):
+    """Keys of the form head + hex + tail (SGLang's ``<prefix>_<hash>_<rank>_k``): the same in both
+    cores, whatever the characters of heads and tails, and whether or not ``out`` holds strings
+    the compiled core may rewrite in place."""
+    rnd = random.Random(seed)
+    alphabet = {"ascii": "m_:x", "latin1": "é_ñ", "bmp": "модель日本", "astral": "🚀a", "empty": ""}
+
+    def text(kind, lo):
+        return "".join(rnd.choice(alphabet[kind]) for _ in range(rnd.randrange(lo, 9) if alphabet[kind] else 0))
+
+    heads = tuple(text(chars, 0) for _ in range(r))
+    tails = tuple(text(tail_chars, 0) for _ in range(r))
+    blob = rnd.randbytes(6 * hash_len)
+    index = array("q", [rnd.randrange(6) for _ in range(n)])
+    size = pos + n * r + rnd.randrange(3)
+    want = [h + blob[i * hash_len:(i + 1) * hash_len].hex() + t for i in index for h, t in zip(heads, tails)]
+
+    def make():
+        # Fresh strings of each key's final length: ones the compiled core may write into.
+        out = ["".join(rnd.choice("xyz") for _ in range(len(w))) for w in [""] * pos + want] if reuse else []
+        return (out + [None] * (size - len(out)), pos, heads, blob, hash_len, index, tails)
+
+    (c, c_args), (p, p_args) = both("fill_keys", make)
+    assert c == p == ("ok", pos + n * r)
+    assert c_args[0][pos:pos + n * r] == p_args[0][pos:pos + n * r] == want
+
+
+def test_fill_keys_without_tails_is_as_before():
+    """``tails=None`` (what vLLM's keys pass) builds exactly the keys of the six-argument call."""
+    blob, index = bytes(range(12)), array("q", [2, 0, 1])
+    for core in (CORE_C, CORE_PY):
+        a, b = [None] * 6, [None] * 6
+        assert core.fill_keys(a, 0, ("a@", "b@"), blob, 4, index) == core.fill_keys(b, 0, ("a@", "b@"), blob, 4, index, None)
+        assert a == b == [h + blob[i * 4:i * 4 + 4].hex() for i in index for h in ("a@", "b@")]
 
 
 class Weird:

@@ -3,8 +3,8 @@
 
 Same functions, same arguments, same errors as the pure twin (the argument checks are shared
 with it: ``_core_py._check_fill_args``). Keys are written straight into ``str`` objects: head
-characters, then the lowercase hex of the hash read from the blob, with no intermediate
-``.hex()`` objects.
+characters, then the lowercase hex of the hash read from the blob (then the tail's characters,
+where one is given), with no intermediate ``.hex()`` objects.
 
 String reuse, and why it is here: a cold lookup of 16,384 keys spends about half its client
 time allocating the new strings and freeing the previous lookup's (CPython hands emptied arenas
@@ -92,25 +92,35 @@ cdef inline void _hexlify(const unsigned char* h, Py_ssize_t hash_len, unsigned 
 
 
 cdef inline void _new_key(list out, Py_ssize_t i, object head, const unsigned char* hexed,
-                          Py_ssize_t hex_len) except *:
-    """Put a new str into ``out[i]``: the characters of ``head``, then the ASCII hex digits."""
+                          Py_ssize_t hex_len, object tail=None) except *:
+    """Put a new str into ``out[i]``: the characters of ``head``, the ASCII hex digits, then
+    those of ``tail`` (None: nothing after the hex)."""
     cdef Py_ssize_t hl = PyUnicode_GET_LENGTH(head)
+    cdef Py_ssize_t tl = 0 if tail is None else PyUnicode_GET_LENGTH(tail)
     cdef Py_ssize_t k
     cdef void* data
     cdef int kind
     cdef object s
-    if PyUnicode_IS_ASCII(head):
-        s = PyUnicode_New(hl + hex_len, 127)
+    cdef Py_UCS4 maxchar
+    if PyUnicode_IS_ASCII(head) and (tail is None or PyUnicode_IS_ASCII(tail)):
+        s = PyUnicode_New(hl + hex_len + tl, 127)
         data = PyUnicode_DATA(s)
         memcpy(data, PyUnicode_DATA(head), hl)
         memcpy(<unsigned char*>data + hl, hexed, hex_len)
+        if tl:
+            memcpy(<unsigned char*>data + hl + hex_len, PyUnicode_DATA(tail), tl)
     else:  # a non-ASCII model name or cache prefix: the same characters, wider storage
-        s = PyUnicode_New(hl + hex_len, PyUnicode_MAX_CHAR_VALUE(head))
+        maxchar = PyUnicode_MAX_CHAR_VALUE(head)
+        if tl and PyUnicode_MAX_CHAR_VALUE(tail) > maxchar:
+            maxchar = PyUnicode_MAX_CHAR_VALUE(tail)
+        s = PyUnicode_New(hl + hex_len + tl, maxchar)
         PyUnicode_CopyCharacters(s, 0, head, 0, hl)
         kind = PyUnicode_KIND(s)
         data = PyUnicode_DATA(s)
         for k in range(hex_len):
             PyUnicode_WRITE(kind, data, hl + k, hexed[k])
+        if tl:
+            PyUnicode_CopyCharacters(s, hl + hex_len, tail, 0, tl)
     cdef PyObject* prev = PyList_GET_ITEM(out, i)
     Py_INCREF(s)
     PyList_SET_ITEM(out, i, s)
@@ -118,9 +128,10 @@ cdef inline void _new_key(list out, Py_ssize_t i, object head, const unsigned ch
 
 
 cdef bint _plain_args(object out, object pos, object heads, object blob, object hash_len,
-                      object index) except -1:
+                      object index, object tails) except -1:
     """The arguments the engine passes, all valid: a list, ints, a tuple of str, a bytes or a
-    byte memoryview, an ``array('q')``, in range. Anything else goes to the twin's checks."""
+    byte memoryview, an ``array('q')``, in range, no tails or as many str as heads. Anything
+    else goes to the twin's checks."""
     if type(out) is not list or type(pos) is not int or type(hash_len) is not int or type(heads) is not tuple:
         return False
     if type(index) is not array.array or (<array.array>index).ob_descr.typecode != b"q":
@@ -133,10 +144,16 @@ cdef bint _plain_args(object out, object pos, object heads, object blob, object 
     for h in <tuple>heads:
         if type(h) is not str:
             return False
+    if tails is not None:
+        if type(tails) is not tuple or len(<tuple>tails) != len(<tuple>heads):
+            return False
+        for t in <tuple>tails:
+            if type(t) is not str:
+                return False
     return hash_len > 0 and pos >= 0 and pos + len(index) * len(heads) <= len(out)
 
 
-def fill_keys(out, pos, heads, blob, hash_len, index):  # long: C declarations up front; the loop is short
+def fill_keys(out, pos, heads, blob, hash_len, index, tails=None):  # long: C declarations up front
     """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return the position after them.
 
     See ``_core_py.fill_keys`` for the contract; this one is the same, compiled, and a slot
@@ -148,7 +165,7 @@ def fill_keys(out, pos, heads, blob, hash_len, index):  # long: C declarations u
     cdef Py_ssize_t nbytes, n
     cdef Py_buffer* view
     cdef object keep = None  # the views of the checked path, alive while their pointers are used
-    if _plain_args(out, pos, heads, blob, hash_len, index):  # the usual arguments, checked in C
+    if _plain_args(out, pos, heads, blob, hash_len, index, tails):  # the usual arguments, checked in C
         if type(blob) is bytes:
             base = <const unsigned char*>PyBytes_AS_STRING(blob)
             nbytes = PyBytes_GET_SIZE(blob)
@@ -159,7 +176,7 @@ def fill_keys(out, pos, heads, blob, hash_len, index):  # long: C declarations u
         idx = (<array.array>index).data.as_longlongs
         n = Py_SIZE(index)
     else:  # anything else: the twin's checks (the same errors), then its views
-        bv, iv = _check_fill_args(out, pos, heads, blob, hash_len, index)
+        bv, iv = _check_fill_args(out, pos, heads, blob, hash_len, index, tails)
         keep = (bv, iv)
         view = PyMemoryView_GET_BUFFER(bv)
         base = <const unsigned char*>view.buf
@@ -197,6 +214,8 @@ def fill_keys(out, pos, heads, blob, hash_len, index):  # long: C declarations u
     if hex_len > 128:
         big = bytearray(hex_len)
         hx = big
+    if tails is not None:
+        return _fill_with_tails(lst, p, hs, <tuple>tails, base, hlen, idx, n, hx)
     for c in range(n):
         _hexlify(base + idx[c] * hlen, hlen, hx)
         for j in range(r):
@@ -209,6 +228,38 @@ def fill_keys(out, pos, heads, blob, hash_len, index):  # long: C declarations u
                 memcpy(dst + hl, hx, hex_len)
             else:
                 _new_key(lst, p, <object>head, hx, hex_len)
+            p += 1
+    return p
+
+
+cdef Py_ssize_t _fill_with_tails(list lst, Py_ssize_t p, tuple hs, tuple ts, const unsigned char* base,
+                                 Py_ssize_t hlen, const long long* idx, Py_ssize_t n,
+                                 unsigned char* hx) except -1:
+    """``fill_keys``' loop for keys with a tail (``head + hex + tail``): its own loop, so the
+    loop of keys without one (vLLM's) is unchanged."""
+    cdef Py_ssize_t r = PyTuple_GET_SIZE(hs)
+    cdef Py_ssize_t hex_len = 2 * hlen
+    cdef Py_ssize_t c, j, hl, tl
+    cdef PyObject* slot
+    cdef PyObject* head
+    cdef PyObject* tail
+    cdef unsigned char* dst
+    for c in range(n):
+        _hexlify(base + idx[c] * hlen, hlen, hx)
+        for j in range(r):
+            head = PyTuple_GET_ITEM(hs, j)
+            tail = PyTuple_GET_ITEM(ts, j)
+            slot = PyList_GET_ITEM(lst, p)
+            hl = PyUnicode_GET_LENGTH(<object>head)
+            tl = PyUnicode_GET_LENGTH(<object>tail)
+            if (PyUnicode_IS_ASCII(<object>head) and PyUnicode_IS_ASCII(<object>tail)
+                    and mk_rewritable(slot, hl + hex_len + tl)):
+                dst = <unsigned char*>PyUnicode_DATA(<object>slot)
+                memcpy(dst, PyUnicode_DATA(<object>head), hl)
+                memcpy(dst + hl, hx, hex_len)
+                memcpy(dst + hl + hex_len, PyUnicode_DATA(<object>tail), tl)
+            else:
+                _new_key(lst, p, <object>head, hx, hex_len, <object>tail)
             p += 1
     return p
 

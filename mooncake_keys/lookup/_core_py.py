@@ -1,10 +1,11 @@
 """Pure-Python core: key building and rank reduction (the twin of ``_core_c.pyx``).
 
 Both modules expose the same two functions, which accept the same arguments and raise the same
-errors (``tests/test_core_parity.py`` checks it). Neither knows the key grammar: they receive
+errors (``tests/test_core_parity.py`` checks it). Neither knows a key grammar: they receive
 each namespace's *key head* (everything before the hex, see ``keys.key_head``) and append the
-lowercase hex of a hash to it. Neither holds any policy: what to build, what to keep and what
-counts as an answer is decided by the callers.
+lowercase hex of a hash to it, and, where a grammar puts something after the hash (SGLang's
+``_<rank>_k``), that namespace's *key tail*. Neither holds any policy: what to build, what to
+keep and what counts as an answer is decided by the callers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _ONE_EQ = (1).__eq__  # True for an int (or int subclass) equal to 1; never runs
 
 
 def _check_fill_args(out: Any, pos: Any, heads: Any, blob: Any, hash_len: Any,
-                     index: Any) -> "tuple[memoryview, memoryview]":
+                     index: Any, tails: Any = None) -> "tuple[memoryview, memoryview]":
     """The argument checks of ``fill_keys`` (the compiled core makes the same, in the same order)."""
     if type(out) is not list:
         raise TypeError(f"out must be a list, got {type(out).__name__}")
@@ -33,6 +34,14 @@ def _check_fill_args(out: Any, pos: Any, heads: Any, blob: Any, hash_len: Any,
     for h in heads:
         if type(h) is not str:
             raise TypeError(f"heads must be a tuple of str, got an item of type {type(h).__name__}")
+    if tails is not None:
+        if type(tails) is not tuple:
+            raise TypeError(f"tails must be None or a tuple of str, got {type(tails).__name__}")
+        for t in tails:
+            if type(t) is not str:
+                raise TypeError(f"tails must be a tuple of str, got an item of type {type(t).__name__}")
+        if len(tails) != len(heads):
+            raise ValueError(f"tails must be as many as heads ({len(heads)}), got {len(tails)}")
     if type(hash_len) is not int:
         raise TypeError(f"hash_len must be an int, got {type(hash_len).__name__}")
     try:
@@ -69,16 +78,18 @@ def fill_keys(
     blob: Any,
     hash_len: int,
     index: Any,
+    tails: "tuple[str, ...] | None" = None,
 ) -> int:
     """Write ``len(index) * len(heads)`` keys into ``out[pos:]``; return the position after them.
 
     ``blob`` holds equal-length hashes back to back (``hash_len`` bytes each); ``index`` (a
     buffer of int64, e.g. ``array('q')``) names the hashes (by position in the blob) to build
-    keys for, in order. Keys are ordered hash first, then head: ``heads[j] + hex(hash)``.
+    keys for, in order. Keys are ordered hash first, then head: ``heads[j] + hex(hash)``, or
+    ``heads[j] + hex(hash) + tails[j]`` when ``tails`` (as many as ``heads``) is given.
     Whatever ``out[pos:]`` held is replaced; the compiled core writes into a str found there
     that nothing else can see instead of allocating a new one (the result is the same).
     """
-    bv, iv = _check_fill_args(out, pos, heads, blob, hash_len, index)
+    bv, iv = _check_fill_args(out, pos, heads, blob, hash_len, index, tails)
     r = len(heads)
     n = len(iv)
     if n:
@@ -89,7 +100,10 @@ def fill_keys(
         return pos
     hexed = bv.hex()
     w = 2 * hash_len
-    if r == 1:
+    if tails is not None:
+        pairs = tuple(zip(heads, tails))
+        keys = [h + hx + t for hx in [hexed[i * w:i * w + w] for i in iv] for h, t in pairs]
+    elif r == 1:
         h0 = heads[0]
         keys = [h0 + hexed[i * w:i * w + w] for i in iv]
     else:

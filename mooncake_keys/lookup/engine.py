@@ -16,9 +16,9 @@ A lookup (vLLM's ``MooncakeStoreWorker.lookup``, as the chosen vLLM release has 
    a hit covering all of ``num_tokens`` is re-derived one alignment step shorter (the last
    token must be computed), and each store group gets its tail key boundary.
 
-The store-fault policy lives here, in :meth:`LookupEngine._ask`: whatever the store does, the
-lookup answers 0 with one warning line on the ``mooncake_keys.lookup`` logger (a child of
-``mooncake_keys``).
+The store-fault policy is :class:`~.store_calls.StoreCalls`' (every call goes through
+:meth:`LookupEngine.call_store`): whatever the store does, the lookup answers 0 with one warning
+line on the ``mooncake_keys.lookup`` logger (a child of ``mooncake_keys``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
 from .rounds import ALL, MIN_KEYS as ROUNDS_MIN_KEYS, Rounds
+from .store_calls import StoreCalls
 
 __all__ = ["LookupEngine", "LookupRecord", "LookupResult", "LookupStats", "STRATEGIES", "TailKeyBoundary"]
 
@@ -194,14 +195,12 @@ class LookupEngine(DeploymentViews):
                key_cache_bytes: int, spare_key_bytes: int) -> None:
         if not isinstance(deployment, Deployment):
             raise TypeError(f"deployment must be a Deployment, got {type(deployment).__name__}")
-        if not callable(getattr(store, "batch_is_exist", None)):
-            raise TypeError("store must have a batch_is_exist(list[str]) -> list[int] method")
+        self._calls = StoreCalls(store, logger)  # the store-fault policy (TypeError: not a store)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         #: A lookup of fewer keys than this asks one-shot even with strategy "rounds".
         self.rounds_min_keys = int_arg("rounds_min_keys", rounds_min_keys, min=0)
         self.deployment = deployment
-        self.store = store
         #: "oneshot" (every key in one call, as vLLM) or "rounds" (only the keys the answer
         #: needs). Rounds stop early only where the hit grows with the store's answers, so
         #: partial hash hits and the EAGLE hybrids of Coordinator.hit_is_monotone ask one-shot.
@@ -218,11 +217,19 @@ class LookupEngine(DeploymentViews):
         self._uniform_r = counts.pop() if len(counts) == 1 else 0
         self._stats_lock = threading.Lock()
         self._counts = [0] * 8  # LookupStats fields, in order, but the unavailable seconds
-        self._unavailable = 0.0
-        self._down_since: Optional[float] = None  # when the last failed store call was
-        self._reported_unavailable = 0.0  # what the observer's records have counted of it
         #: Called with a :class:`LookupRecord` after every lookup (metrics); None: not.
         self.observer: Optional[Callable[[LookupRecord], None]] = None
+
+    @property
+    def store(self) -> Any:
+        """The store asked (anything with ``batch_is_exist``); may be replaced."""
+        return self._calls.store
+
+    @store.setter
+    def store(self, store: Any) -> None:
+        if not callable(getattr(store, "batch_is_exist", None)):
+            raise TypeError("store must have a batch_is_exist(list[str]) -> list[int] method")
+        self._calls.store = store
 
     # --------------------------------------------------------------------------- steps
     def _prepare(self, num_tokens: int, block_hashes: Any, skip_tokens: Any, name: str = "num_tokens"
@@ -280,41 +287,12 @@ class LookupEngine(DeploymentViews):
     def call_store(self, keys: List[str]) -> Optional[list]:
         """One ``batch_is_exist`` of ``keys``: the answers, a list as long as ``keys``, or None.
 
-        The store-fault policy: an exception, an answer that is not a list or tuple, or one of
-        the wrong length gives None (the lookup answers 0) and one warning line. Time from a
-        failed call to the next answered one counts as the store being unavailable.
+        The store-fault policy (:class:`~.store_calls.StoreCalls`): an exception, an answer that
+        is not a list or tuple, or one of the wrong length gives None (the lookup answers 0) and
+        one warning line. Time from a failed call to the next answered one counts as the store
+        being unavailable.
         """
-        try:
-            results = self.store.batch_is_exist(keys)
-        except Exception as exc:  # the scheduler must never crash on a store fault
-            return self._failed("batch_is_exist of %d keys raised %s: %s", len(keys), type(exc).__name__, exc)
-        if not isinstance(results, (list, tuple)):
-            return self._failed("batch_is_exist returned %s, not a list", type(results).__name__)
-        try:
-            if type(results) is not list:
-                results = list(results)  # a tuple, or a subclass: its items, read once
-        except Exception as exc:  # a list subclass that fails to iterate, ...
-            return self._failed("the answer of batch_is_exist could not be read: %s: %s", type(exc).__name__, exc)
-        if len(results) != len(keys):
-            return self._failed("batch_is_exist returned %d results for %d keys", len(results), len(keys))
-        if self._down_since is not None:
-            with self._stats_lock:
-                if self._down_since is not None:
-                    self._unavailable += time.monotonic() - self._down_since
-                    self._down_since = None
-        return results
-
-    def _failed(self, message: str, *args: Any) -> None:
-        logger.warning("lookup answered 0: " + message, *args)
-        self._mark_down()
-        return None
-
-    def _mark_down(self) -> None:
-        """The store is unavailable from now (unless it was already)."""
-        if self._down_since is None:
-            with self._stats_lock:
-                if self._down_since is None:
-                    self._down_since = time.monotonic()
+        return self._calls.call(keys)
 
     def _error_codes(self, answers: list, n: int) -> bool:
         """Whether ``answers`` (the first absent chunk's, one per namespace) hold an error code:
@@ -325,7 +303,7 @@ class LookupEngine(DeploymentViews):
             return False
         logger.warning("lookup: batch_is_exist answered error code %s for %d keys (counted "
                        "absent; -900: the master is unreachable)", codes, n)
-        self._mark_down()
+        self._calls.mark_down()
         return True
 
     def _read(self, results: list, pieces: Sequence[Tuple[int, int]]) -> Optional[Tuple[List[Any], int, bool]]:
@@ -578,14 +556,11 @@ class LookupEngine(DeploymentViews):
         observer = self.observer
         if observer is not None:
             outcome = "fault" if failed or codes else "hit" if hit else "miss"
-            with self._stats_lock:
-                down = self._unavailable + (0.0 if self._down_since is None else time.monotonic() - self._down_since)
-                unavailable, self._reported_unavailable = down - self._reported_unavailable, down
             observer(LookupRecord(tokens, hit, keys, calls, present, outcome, time.perf_counter() - start,
-                                  unavailable))
+                                  self._calls.take_unavailable()))
 
     def stats(self) -> LookupStats:
         """Counters since creation (see :class:`LookupStats`)."""
         with self._stats_lock:
-            down = 0.0 if self._down_since is None else time.monotonic() - self._down_since
-            return LookupStats(*self._counts, unavailable_seconds=self._unavailable + down)
+            counts = list(self._counts)
+        return LookupStats(*counts, unavailable_seconds=self._calls.unavailable_seconds())

@@ -54,9 +54,9 @@ from math import gcd
 from typing import Dict, List, NamedTuple, Sequence, Tuple, Union
 
 from .deployment import Deployment, LookupPlan
-from .specs import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+from .specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
-__all__ = ["Rounds", "Segment", "MIN_KEYS", "PROBE_GAP_KEYS", "PROBE_GAP_FRACTION", "FIRST_ROUND_KEYS"]
+__all__ = ["Rounds", "RoundsGroup", "Segment", "MIN_KEYS", "PROBE_GAP_KEYS", "PROBE_GAP_FRACTION", "FIRST_ROUND_KEYS"]
 
 #: A lookup of fewer keys than this is asked one-shot. A round trip costs the master about as
 #: much as 100-200 keys (0.1-0.2 ms on loopback), so below ~2,000 keys the extra rounds of a hit
@@ -73,7 +73,17 @@ PROBE_GAP_FRACTION = 0.08
 MAMBA_GROWTH = 8
 
 ALL, PROBE, REST = 0, 1, 2
+_ONE_IF_SET = bytes([0] + [1] * 255)  # a flag byte as 0 or 1
 Slots = Union[range, array]
+
+
+class RoundsGroup(NamedTuple):
+    """What rounds need to know of one group: its spec (kind, block size in tokens, window),
+    how many namespaces each of its chunks is asked in, and whether it is an EAGLE group."""
+
+    spec: KVCacheSpec
+    namespaces: int
+    eagle: bool = False
 
 
 class Segment(NamedTuple):
@@ -103,10 +113,10 @@ class _Group:
     """What is known of one group: per slot unknown (0), known (1) or probed present in one
     namespace (2); per chunk presence with the unknown absent (``low``) and present (``high``)."""
 
-    def __init__(self, deployment: Deployment, g: int, plan: LookupPlan) -> None:
+    def __init__(self, g: int, plan: LookupPlan, spec: KVCacheSpec, namespaces: int, eagle: bool,
+                 alignment: int) -> None:
         self.g = g
         p = plan.groups[g]
-        spec = deployment.store_groups[g].spec
         self.pos = p.asked
         self.index = p.index
         self.known = bytearray(len(p.asked))
@@ -115,13 +125,11 @@ class _Group:
         self.high = plan.presence_of(g, b"\x01" * len(p.asked))
         self.first_absent = len(p.asked)  # the first slot known absent
         self.block_size = spec.block_size
-        self.r = len(deployment.heads[g])
+        self.r = namespaces
         self.kind = ("swa" if isinstance(spec, SlidingWindowSpec) else "mamba" if isinstance(spec, MambaSpec)
                      else "chunked" if isinstance(spec, ChunkedLocalAttentionSpec) else "full")
-        eagle = g in deployment.coordinator.eagle_group_ids
         self.eagle = int(eagle)
         self.window = spec.blocks_needed(eagle) if self.kind == "swa" else 0
-        alignment = deployment.coordinator.alignment
         self.step = alignment // gcd(spec.block_size, alignment)  # Mamba: chunk j aligned iff (j+1) % step == 0
         self.chunk = getattr(spec, "attention_chunk_size", 0)
         self.asked_rounds = 0
@@ -195,7 +203,22 @@ class _Group:
     def record(self, seg: Segment, flags: bytes) -> None:
         known, low, high, pos = self.known, self.low, self.high, self.pos
         mode = seg.mode
-        for s, f in zip(seg.slots, flags):
+        slots = seg.slots
+        if mode != PROBE and type(slots) is range and type(pos) is range and slots.step == pos.step == 1:
+            # A run of slots answered in every namespace it asks: as the loop below, in slices (a
+            # long prompt's hit is thousands of slots; the loop cost 0.7 ms per 2,048 of them).
+            n = min(len(slots), len(flags))
+            if n:
+                a = slots.start
+                c = pos[a]
+                f = bytes(flags[:n]).translate(_ONE_IF_SET)
+                known[a:a + n] = b"\x01" * n
+                low[c:c + n] = high[c:c + n] = f
+                j = f.find(0)
+                if 0 <= j and a + j < self.first_absent:
+                    self.first_absent = a + j
+            return
+        for s, f in zip(slots, flags):
             c = pos[s]
             if mode == PROBE and f:
                 if self.r > 1:
@@ -215,8 +238,26 @@ class Rounds:
         """``hints``: tokens where the stored prefix may well end (a batch of lookups knows
         where a request stops sharing its hashes with the others): the first round probes the
         chunk holding each."""
-        self.groups = [_Group(deployment, g, plan) for g in range(len(plan.groups))]
-        self.heads = [tuple(range(len(hs))) for hs in deployment.heads]
+        coord = deployment.coordinator
+        groups = [RoundsGroup(grp.spec, len(hs), g in coord.eagle_group_ids)
+                  for g, (grp, hs) in enumerate(zip(deployment.store_groups, deployment.heads))]
+        self._start(groups, plan, coord.alignment, hints)
+
+    @classmethod
+    def for_groups(cls, groups: Sequence["RoundsGroup"], plan: LookupPlan, alignment: int,
+                   hints: Sequence[int] = ()) -> "Rounds":
+        """Rounds over ``plan`` for groups described directly (an engine other than vLLM's, whose
+        deployment is not a :class:`Deployment`: SGLang's KV pages are one full-attention group
+        with one namespace per object of a page); ``alignment`` in tokens, as the coordinator's."""
+        rounds = cls.__new__(cls)
+        rounds._start(groups, plan, alignment, hints)
+        return rounds
+
+    def _start(self, groups: Sequence["RoundsGroup"], plan: LookupPlan, alignment: int,
+               hints: Sequence[int]) -> None:
+        self.groups = [_Group(g, plan, grp.spec, grp.namespaces, grp.eagle, alignment)
+                       for g, grp in enumerate(groups)]
+        self.heads = [tuple(range(grp.namespaces)) for grp in groups]
         self.round = 0
         self.hints = tuple(hints)
 
