@@ -159,3 +159,30 @@ def test_the_last_calls_answers_serve_the_next_lookups_within_the_lease_only(mon
     for bad, error in ((0, ValueError), (-1.0, ValueError), ("10", TypeError), (float("inf"), ValueError)):
         with pytest.raises(error, match="lease_s"):
             LookupBatcher(batcher.engine, lease_s=bad)
+
+
+def test_a_key_answered_absent_is_asked_again_and_one_answered_present_is_reused():
+    """A present key holds the lease its call took: reused. An absent one may be saved any
+    moment (vLLM saves every request's KV): asked again, so a prefix saved just after a call is
+    found by the next lookup, as a lookup alone would find it."""
+    memory = mk.MemoryStore()
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    builder = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore())
+    keys = builder.candidate_keys(128, hashes)
+    for k in keys[:4]:
+        memory.put(k)
+    store = mk.RecordingStore(memory)
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=store),
+                            lease_s=10.0)
+    try:
+        batcher.submit("first", 129, hashes)
+        assert answers_of(batcher, ["first"])["first"].hit_length == 64
+        for k in keys[4:]:
+            memory.put(k)  # saved right after
+        batcher.submit("second", 129, hashes)
+        assert answers_of(batcher, ["second"])["second"].hit_length == 128
+        asked_again = [k for call in store.calls[1:] for k in call]
+        assert not set(asked_again) & set(keys[:4]) and keys[4] in asked_again
+        assert batcher.stats.keys_reused >= 4
+    finally:
+        batcher.close()

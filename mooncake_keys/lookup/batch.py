@@ -16,14 +16,16 @@ is no moment at which a submitted lookup is in no table (:meth:`pending` is True
 the thread drops whatever it was doing for a lookup that left the table (or was submitted anew)
 meanwhile.
 
-**Reused answers.** A key the last call answered is not asked again for a short while
-(:func:`reuse_window`): on Mooncake a key answered present holds a read lease (the master's
+**Reused answers.** A key the last call answered present is not asked again for a short while
+(:func:`reuse_window`): on Mooncake it holds a read lease (the master's
 ``--default_kv_lease_ttl``) from that call on, so it cannot be evicted or removed (without
-force) during the lease. Answers are reused only when the lease is known (``lease_s``), for at
-most :data:`REUSE_LEASE_FRACTION` of it from the moment the call was sent and never more than
-:data:`REUSE_S`; with the lease unknown, never. :meth:`forget_answers` (after a removal the
-caller knows of: vLLM's reset, which removes every key with force) drops every answer got
-before it: reused ones, and those of lookups under way, which start again.
+force) during the lease, and a fresh ask would answer the same. Answers are reused only when
+the lease is known (``lease_s``), for at most :data:`REUSE_LEASE_FRACTION` of it from the moment
+the call was sent and never more than :data:`REUSE_S`; with the lease unknown, never. A key
+answered absent is always asked again (it may have been saved since). :meth:`forget_answers`
+(after a removal the caller knows of: vLLM's reset, which removes every key with force) drops
+every answer got before it: reused ones, and those of lookups under way, which start again.
+So every answer is the one a lookup asking the store alone would get at the time of its calls.
 
 **Bounds.** The thread keeps the hashes of the last :data:`RECENT_REQUESTS` requests, at most
 :data:`RECENT_HASHES` of each (one 8-byte digest per hash, and one count per distinct digest):
@@ -278,13 +280,13 @@ class LookupBatcher:
         old = self._recent.pop(key, None)
         if old is not None:
             self._uncount(old)
+        while len(self._recent) >= RECENT_REQUESTS:  # room first: never more than RECENT_REQUESTS
+            _, gone = self._recent.popitem(last=False)
+            self._uncount(gone)
         self._recent[key] = mine
         seen = self._seen
         for d in set(mine):
             seen[d] = seen.get(d, 0) + 1
-        while len(self._recent) > RECENT_REQUESTS:
-            _, gone = self._recent.popitem(last=False)
-            self._uncount(gone)
         return mine
 
     def _uncount(self, digests: array) -> None:
@@ -351,11 +353,13 @@ class LookupBatcher:
             if answers is None:
                 known = None
             else:
-                fresh = dict(zip(merged, answers))
-                known.update(fresh)
+                known.update(zip(merged, answers))
                 with self._cond:
                     if self.reuse_s > 0 and epoch == self._epoch:  # not across forget_answers
-                        self._last, self._last_until = fresh, sent + self.reuse_s
+                        # Only keys answered present: each holds the lease this call took. One
+                        # answered absent may be saved any moment: it is asked again.
+                        self._last = {k: a for k, a in zip(merged, answers) if a == 1}
+                        self._last_until = sent + self.reuse_s
         self.stats.keys_wanted += len(wanted)
         if last:
             self.stats.keys_reused += sum(1 for k in wanted if k in last)
