@@ -154,6 +154,7 @@ class LookupBatcher:
         # requests hold each digest.
         self._recent: "OrderedDict[Hashable, array]" = OrderedDict()
         self._seen: Dict[int, int] = {}
+        self._kept = 0  # digests in _recent, all requests (read by sizes() without iterating)
 
     # ------------------------------------------------------------------ the caller's side
     def submit(self, key: Hashable, num_tokens: int, block_hashes: Any, skip_tokens: int = 0) -> None:
@@ -216,8 +217,7 @@ class LookupBatcher:
         ``distinct_hashes`` (counted digests) and ``reused_answers``."""
         with self._cond:
             return {"lookups": len(self._lookups), "queued": len(self._queued), "waiting": len(self._waiting),
-                    "recent_requests": len(self._recent),
-                    "recent_hashes": sum(len(a) for a in list(self._recent.values())),
+                    "recent_requests": len(self._recent), "recent_hashes": self._kept,
                     "distinct_hashes": len(self._seen), "reused_answers": len(self._last)}
 
     def close(self, timeout: float = 5.0) -> None:
@@ -284,12 +284,14 @@ class LookupBatcher:
             _, gone = self._recent.popitem(last=False)
             self._uncount(gone)
         self._recent[key] = mine
+        self._kept += len(mine)
         seen = self._seen
         for d in set(mine):
             seen[d] = seen.get(d, 0) + 1
         return mine
 
     def _uncount(self, digests: array) -> None:
+        self._kept -= len(digests)
         seen = self._seen
         for d in set(digests):
             left = seen[d] - 1
