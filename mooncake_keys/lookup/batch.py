@@ -356,12 +356,13 @@ class LookupBatcher:
                 known = None
             else:
                 known.update(zip(merged, answers))
-                with self._cond:
-                    if self.reuse_s > 0 and epoch == self._epoch:  # not across forget_answers
-                        # Only keys answered present: each holds the lease this call took. One
-                        # answered absent may be saved any moment: it is asked again.
-                        self._last = {k: a for k, a in zip(merged, answers) if a == 1}
-                        self._last_until = sent + self.reuse_s
+                if self.reuse_s > 0:
+                    # Only keys answered present: each holds the lease this call took. One
+                    # answered absent may be saved any moment: it is asked again.
+                    present = {k: a for k, a in zip(merged, answers) if a == 1}
+                    with self._cond:
+                        if epoch == self._epoch:  # not across forget_answers
+                            self._last, self._last_until = present, sent + self.reuse_s
         self.stats.keys_wanted += len(wanted)
         if last:
             self.stats.keys_reused += sum(1 for k in wanted if k in last)
