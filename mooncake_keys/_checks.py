@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["bool_arg", "int_arg", "str_arg", "text_arg", "seconds_arg", "utf8_encodable", "MAX_TOKENS", "MAX_SECONDS"]
+__all__ = ["bool_arg", "int_arg", "str_arg", "text_arg", "seconds_arg", "tokens_arg", "skip_tokens_arg",
+           "in_token_range", "utf8_encodable", "MAX_TOKENS", "MAX_SECONDS"]
 
 #: The largest token count or block size accepted anywhere: vLLM's lookup wire format carries
 #: token counts as u32, and no model comes near it.
@@ -23,6 +24,32 @@ def int_arg(name: str, value: Any, *, min: Optional[int] = None, max: Optional[i
     if max is not None and value > max:
         raise ValueError(f"{name} must be <= {max}, got {value}")
     return int(value)
+
+
+def tokens_arg(name: str, value: Any) -> int:
+    """``value`` if it is a token count (an ``int``, not a bool) in ``[0, MAX_TOKENS]``; else
+    TypeError/ValueError naming ``name``."""
+    int_arg(name, value)
+    if not 0 <= value <= MAX_TOKENS:
+        raise ValueError(f"{name} must be a token count, 0 .. {MAX_TOKENS} (2**32 - 1, what vLLM's lookup can "
+                         f"carry), got {value}")
+    return int(value)
+
+
+def skip_tokens_arg(value: Any, num_tokens: int, name: str = "num_tokens") -> int:
+    """``skip_tokens`` if it is a token count no larger than ``num_tokens`` (the tokens held
+    locally are part of the prompt: more than the prompt is a caller's mistake); else
+    TypeError/ValueError naming ``skip_tokens``. ``name``: the caller's name of ``num_tokens``."""
+    int_arg("skip_tokens", value, min=0)
+    if value > num_tokens:
+        raise ValueError(f"skip_tokens ({value}) must be <= {name} ({num_tokens}): it counts tokens of the prompt")
+    return int(value)
+
+
+def in_token_range(value: Any) -> bool:
+    """Whether ``value`` is a token count :func:`tokens_arg` accepts (for callers that answer
+    rather than raise: vLLM's drop-in)."""
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_TOKENS
 
 
 def bool_arg(name: str, value: Any) -> bool:

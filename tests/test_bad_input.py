@@ -22,14 +22,49 @@ def make(store=None, groups=(F(16),), **kw):
 HS = [b"a" * 8, b"b" * 8, b"c" * 8, b"d" * 8]
 
 
-def test_empty_hashes_or_nonpositive_token_len_is_zero_without_a_call(impl, recording_store):
+def test_empty_hashes_or_zero_token_len_is_zero_without_a_call(impl, recording_store):
     st = recording_store([])
     e = make(st)
     assert e.lookup(64, []) == 0
     assert e.lookup(0, HS) == 0
-    assert e.lookup(-16, HS) == 0
     assert e.lookup(64, mk.BlockHashes.from_blob(b"", 0)) == 0
     assert st.calls == []
+
+
+ENTRY_POINTS = {
+    "lookup": lambda e, n, hs, skip: e.lookup(n, hs, skip_tokens=skip),
+    "lookup_result": lambda e, n, hs, skip: e.lookup_result(n, hs, skip_tokens=skip),
+    "candidate_keys": lambda e, n, hs, skip: e.candidate_keys(n, hs, skip_tokens=skip),
+    "steps": lambda e, n, hs, skip: next(e.steps(n, hs, skip)),
+    "explain": lambda e, n, hs, skip: e.explain(n, hs, skip_tokens=skip),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("num_tokens", [-1, -64, 2**32, 10**20])
+@pytest.mark.parametrize("compat", ["0.25", "0.33"])
+def test_a_negative_or_absurd_num_tokens_is_a_value_error_naming_it(impl, recording_store, entry, num_tokens, compat):
+    """Not a quiet 0 (nor, past 2**32 - 1, what vLLM's lookup could never be asked): the library
+    refuses it at every entry point, before asking anything."""
+    st = recording_store([])
+    e = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=st, vllm_compat=compat)
+    name = "token_len" if entry == "candidate_keys" else "num_tokens"
+    with pytest.raises(ValueError, match=rf"^{name} must be a token count, 0 \.\. 4294967295"):
+        ENTRY_POINTS[entry](e, num_tokens, HS, 0)
+    assert st.calls == []
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_skip_tokens_past_the_prompt_is_a_value_error_naming_it(impl, recording_store, entry):
+    """skip_tokens counts tokens of the prompt held locally: more than the prompt is a mistake,
+    not a full hit answered without asking the store."""
+    st = recording_store(lambda keys: [0] * len(keys))
+    e = make(st)
+    with pytest.raises(ValueError, match=r"skip_tokens \(80\) must be <= (num_tokens|token_len) \(64\)"):
+        ENTRY_POINTS[entry](e, 64, HS, 80)
+    assert st.calls == []
+    assert e.lookup(64, HS, skip_tokens=64) == 64  # all of it held: no call, a full hit
+    assert e.lookup(2**32 - 16, HS) == 0 and len(st.calls) == 1  # the largest count vLLM can send
 
 
 def test_nothing_to_ask_is_zero_without_a_call(impl, recording_store):

@@ -120,25 +120,69 @@ def test_bad_arguments_answer_zero_with_a_log_line(caplog):
         LookupBatcher(object())
 
 
-def test_the_last_calls_answers_serve_the_next_lookups_for_a_while(monkeypatch):
-    """A burst that came in two parts asks its shared keys once: a key the last call answered,
-    less than REUSE_S ago, is answered from there; later it is asked again."""
+def test_the_last_calls_answers_serve_the_next_lookups_within_the_lease_only(monkeypatch):
+    """A burst that came in two parts asks its shared keys once: a key the last call answered
+    is answered from there for a tenth of the master's lease (at most REUSE_S), counted from
+    when that call was sent; later it is asked again. With the lease unknown, never."""
     from mooncake_keys.lookup import batch as batch_mod
 
     hashes = [bytes([i]) * 16 for i in range(8)]
+    layout = mk.ParallelLayout(tp_size=2, num_kv_heads=2)
     store = mk.RecordingStore(1)
-    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], mk.ParallelLayout(tp_size=2, num_kv_heads=2),
-                                            hash_block_size=16, store=store))
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], layout, hash_block_size=16, store=store), lease_s=10.0)
     try:
+        assert batcher.reuse_s == batch_mod.REUSE_S == 1.0
         batcher.submit("first", 128, hashes)
         first = answers_of(batcher, ["first"])["first"]
         asked = store.keys_asked
         batcher.submit("second", 128, hashes[:6])  # every key answered by the last call
         assert answers_of(batcher, ["second"])["second"].hit_length == 96
         assert store.keys_asked == asked and first.hit_length == 112
-        monkeypatch.setattr(batch_mod, "REUSE_S", 0.0)
+        assert batcher.stats.keys_reused == 12
+        batcher._last_until = 0.0  # the window is over
         batcher.submit("third", 128, hashes[:6])
         assert answers_of(batcher, ["third"])["third"].hit_length == 96
         assert store.keys_asked == asked + 12  # asked again
+    finally:
+        batcher.close()
+    assert LookupBatcher(batcher.engine, lease_s=0.2).reuse_s == pytest.approx(0.02)
+    unknown = LookupBatcher(mk.LookupEngine("m", [F(16)], layout, hash_block_size=16, store=store))
+    try:
+        assert unknown.reuse_s == 0.0
+        asked = store.keys_asked
+        for name in ("a", "b"):
+            unknown.submit(name, 128, hashes[:6])
+            answers_of(unknown, [name])
+        assert store.keys_asked == asked + 24  # nothing reused
+    finally:
+        unknown.close()
+    for bad, error in ((0, ValueError), (-1.0, ValueError), ("10", TypeError), (float("inf"), ValueError)):
+        with pytest.raises(error, match="lease_s"):
+            LookupBatcher(batcher.engine, lease_s=bad)
+
+
+def test_a_key_answered_absent_is_asked_again_and_one_answered_present_is_reused():
+    """A present key holds the lease its call took: reused. An absent one may be saved any
+    moment (vLLM saves every request's KV): asked again, so a prefix saved just after a call is
+    found by the next lookup, as a lookup alone would find it."""
+    memory = mk.MemoryStore()
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    builder = mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=mk.RecordingStore())
+    keys = builder.candidate_keys(128, hashes)
+    for k in keys[:4]:
+        memory.put(k)
+    store = mk.RecordingStore(memory)
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], mk.ParallelLayout(), hash_block_size=16, store=store),
+                            lease_s=10.0)
+    try:
+        batcher.submit("first", 129, hashes)
+        assert answers_of(batcher, ["first"])["first"].hit_length == 64
+        for k in keys[4:]:
+            memory.put(k)  # saved right after
+        batcher.submit("second", 129, hashes)
+        assert answers_of(batcher, ["second"])["second"].hit_length == 128
+        asked_again = [k for call in store.calls[1:] for k in call]
+        assert not set(asked_again) & set(keys[:4]) and keys[4] in asked_again
+        assert batcher.stats.keys_reused >= 4
     finally:
         batcher.close()

@@ -65,7 +65,7 @@ def test_a_hold_ends_after_hold_s_and_a_load_never_reported_is_forgotten():
 def test_each_wait_is_reported_once_when_the_request_goes_on():
     clock = Clock()
     waits = []
-    s = SharedLoads(16, hold_s=1.0, clock=clock, on_wait=lambda seconds, expired: waits.append((seconds, expired)))
+    s = SharedLoads(16, hold_s=1.0, clock=clock, on_wait=lambda seconds, outcome: waits.append((seconds, outcome)))
     s.loading("a", SYSTEM, 0, 64)
     assert not s.waits("a", SYSTEM, 0) and waits == []  # never held: nothing to report
     assert s.waits("b", SYSTEM, 0) and s.waits("c", SYSTEM, 0)
@@ -74,13 +74,13 @@ def test_each_wait_is_reported_once_when_the_request_goes_on():
     s.step(["a"])
     s.step([])  # a's blocks are vLLM's now
     assert not s.waits("b", SYSTEM, 64) and not s.waits("b", SYSTEM, 64)
-    assert waits == [(0.25, False)]
+    assert waits == [(0.25, "landed")]
     s.loading("d", SYSTEM, 0, 64)
     assert s.waits("c", SYSTEM, 0)  # c, held since the start, now waits for d's load
-    assert waits == [(0.25, False)]
+    assert waits == [(0.25, "landed")]
     clock.now += 1.0
     assert not s.waits("c", SYSTEM, 0)
-    assert waits == [(0.25, False), (1.25, True)]
+    assert waits == [(0.25, "landed"), (1.25, "expired")]
 
 
 def test_finished_and_aborted_requests_leave_nothing_behind():
@@ -124,3 +124,100 @@ def test_hash_block_tokens_is_checked(bad, error):
 def test_hold_s_is_checked(bad, error):
     with pytest.raises(error, match="hold_s"):
         SharedLoads(16, hold_s=bad)
+
+
+def test_a_wait_on_a_load_that_never_landed_is_not_reported_landed():
+    """The load a request waits for is forgotten without landing (not reported finished within
+    hold_s, or its request aborted): the wait ends "dropped", never "landed"."""
+    clock = Clock()
+    waits = []
+    s = SharedLoads(16, hold_s=1.0, clock=clock, on_wait=lambda seconds, outcome: waits.append((seconds, outcome)))
+    s.loading("a", SYSTEM, 0, 64)
+    clock.now += 0.6
+    assert s.waits("b", SYSTEM, 0)  # b held from 100.6
+    clock.now += 0.5
+    s.step([])  # a's load started 1.1 s ago and never finished: forgotten
+    assert len(s) == 0
+    assert not s.waits("b", SYSTEM, 0)  # b's own hold has not run out (0.5 s)
+    assert waits == [(pytest.approx(0.5), "dropped")]
+    s.loading("c", SYSTEM, 0, 64)
+    assert s.waits("d", SYSTEM, 0)
+    s.finished(["c"])  # aborted before its load landed
+    assert not s.waits("d", SYSTEM, 0)
+    assert waits[-1] == (0.0, "dropped")
+    s.loading("e", SYSTEM, 0, 64)
+    assert s.waits("f", SYSTEM, 0)
+    s.step(["e"])
+    s.finished(["e"])  # finished once its load had landed
+    assert not s.waits("f", SYSTEM, 0)
+    assert waits[-1] == (0.0, "landed")
+    assert [o for _, o in waits] == ["dropped", "dropped", "landed"]
+
+
+def test_a_request_is_held_at_most_hold_s_in_all_even_on_one_load_then_another():
+    """Held on a's load, then (a's load forgotten at the step that also ends b's hold) on c's:
+    never more than hold_s in all, and a request that went on is never held again."""
+    clock = Clock()
+    waits = []
+    s = SharedLoads(16, hold_s=1.0, clock=clock, on_wait=lambda seconds, outcome: waits.append((seconds, outcome)))
+    s.loading("a", SYSTEM, 0, 64)
+    assert s.waits("b", SYSTEM, 0)
+    held = [clock.now]
+    for _ in range(40):  # steps of 62.5 ms; a new load of the same blocks each time the last is forgotten
+        clock.now += 0.0625
+        s.step([])
+        if not s._loads:
+            s.loading(f"c{clock.now}", SYSTEM, 0, 64)
+        if s.waits("b", SYSTEM, 0):
+            held.append(clock.now)
+    assert held[-1] - held[0] < 1.0  # every poll answered "pending" within 1 s of the first
+    assert len(waits) == 1 and waits[0] == (1.0, "expired")  # reported at the step that ended it
+    assert not s.waits("b", SYSTEM, 0)  # went on: never held again
+    # the same with the hold swept by step() first
+    s2 = SharedLoads(16, hold_s=1.0, clock=clock)
+    s2.loading("a", SYSTEM, 0, 64)
+    start = clock.now
+    assert s2.waits("b", SYSTEM, 0)
+    clock.now += 0.99
+    s2.step([])
+    clock.now += 0.02
+    s2.step([])  # a's load forgotten and b's hold swept in one step
+    s2.loading("c", SYSTEM, 0, 64)
+    assert not s2.waits("b", SYSTEM, 0) and clock.now - start < 1.1
+
+
+def test_a_request_held_once_is_held_again_only_after_it_finished():
+    clock = Clock()
+    s = SharedLoads(16, clock=clock)
+    s.loading("a", SYSTEM, 0, 64)
+    assert s.waits("b", SYSTEM, 0)
+    s.step(["a"])
+    s.step([])
+    assert not s.waits("b", SYSTEM, 0)  # went on (landed)
+    s.loading("c", SYSTEM, 0, 64)
+    assert not s.waits("b", SYSTEM, 0)  # never held again
+    s.finished(["b"])
+    assert s.waits("b", SYSTEM, 0)  # a new request of the same id
+
+
+def test_the_tables_stay_bounded_over_many_requests():
+    from mooncake_keys.lookup import shared_loads as sl
+
+    clock = Clock()
+    s = SharedLoads(16, clock=clock)
+    most = {}
+    for i in range(5000):
+        req = chain(f"r{i}-", 8)
+        leader = f"L{i}"
+        s.loading(leader, SYSTEM + req, 0, 16 * 12)
+        for j in range(3):
+            s.waits(f"w{i}-{j}", SYSTEM + chain(f"w{i}-{j}-", 4), 0)
+        clock.now += 0.01
+        s.step([f"L{i - 1}"])
+        if i % 7 == 0:  # some waiters finish, some leaders are aborted
+            s.finished([f"w{i - 3}-0", f"L{i - 5}"])
+        for name, size in s.sizes().items():
+            most[name] = max(most.get(name, 0), size)
+    assert most["loads"] <= 3 and most["owned_hashes"] <= 3 * 12
+    assert most["held"] <= 3 * 100 + 3  # requests held less than hold_s: 100 steps of 10 ms
+    assert most["released"] <= sl.MAX_RELEASED

@@ -44,20 +44,29 @@ def test_kvpool_refuses_the_same_scheduler_block():
                   hash_block_size=1, scheduler_block_size=2**20, store=mk.MemoryStore())
 
 
-@pytest.mark.parametrize("token_len", [1_600_000_000_000, 2**63, 2**64 + 16])
-def test_a_made_up_token_len_costs_what_the_hashes_cost(impl, token_len):
+@pytest.mark.parametrize("token_len", [(1 << 32) - 16, (1 << 32) - 1])
+def test_the_largest_token_len_costs_what_the_hashes_cost(impl, token_len):
     store = mk.MemoryStore()
     e = engine(store, layout=mk.ParallelLayout(tp_size=2, num_kv_heads=2))
     for k in e.candidate_keys(128, HS):
         store.put(k)
     t = time.perf_counter()
     aligned = token_len - token_len % 16
-    assert e.lookup(aligned, HS, skip_tokens=token_len) == 128
+    assert e.lookup(aligned, HS, skip_tokens=aligned) == 128
     assert e.lookup(token_len, HS) == 128
     assert len(e.candidate_keys(token_len, HS)) == 16
     hybrid = mk.LookupEngine("m", [F(64), S(16, 48)], mk.ParallelLayout(), hash_block_size=16, store=store)
     assert hybrid.lookup(token_len, HS) == 0
     assert time.perf_counter() - t < 5  # generous: unbounded work took minutes or MemoryError
+
+
+@pytest.mark.parametrize("token_len", [1_600_000_000_000, 2**63, 2**64 + 16])
+def test_a_made_up_token_len_is_refused_before_any_work(impl, token_len):
+    e = engine(mk.MemoryStore())
+    for call in (lambda: e.lookup(token_len, HS), lambda: e.candidate_keys(token_len, HS),
+                 lambda: e.lookup(128, HS, skip_tokens=token_len)):
+        with pytest.raises(ValueError, match="token"):
+            call()
 
 
 def test_kvpool_work_is_bounded_by_the_hashes():

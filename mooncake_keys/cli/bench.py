@@ -47,6 +47,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "minutes; `bash scripts/dev.sh bench --engine` installs the engine and runs it")
     parser.add_argument("--engine-plot", type=png_path, metavar="PATH",
                         help="with --engine: write its plot there (no plot otherwise)")
+    parser.add_argument("--soak", action="store_true",
+                        help="instead: the asynchronous in-scheduler lookup held for a long stream of requests with "
+                             "aborts and resets, on a real master (vLLM 0.32 or 0.33): answers, duplicates, tables "
+                             "and memory; 20,000 requests, a few minutes (--quick: 2,000); exit 1 if a bound fails")
 
 
 #: The options of the standard run that mean nothing to the engine benchmark.
@@ -54,6 +58,8 @@ NOT_WITH_ENGINE = ("repeat", "no_master", "plot_dir", "plot", "master_plot")
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "soak", False):
+        return _soak(args)
     if args.engine:
         return _engine(args)
     if args.engine_plot:
@@ -103,3 +109,42 @@ def _engine(args: argparse.Namespace) -> int:
     if args.engine_plot:
         print(f"plot: {engine_bench.plot(rows, args.engine_plot)}")
     return 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    given = [name for name in NOT_WITH_ENGINE + ("engine", "engine_plot") if getattr(args, name)]
+    if given:
+        print(f"error: --soak takes --quick only, not --{given[0].replace('_', '-')}", file=sys.stderr)
+        return 2
+    try:
+        from ..vllm.versions import contract_for_installed
+
+        import mooncake.store  # noqa: F401
+
+        supported = contract_for_installed() in ("0.32", "0.33")
+    except ImportError:
+        supported = False
+    if not supported:
+        print("error: the soak needs vLLM 0.32 or 0.33 and the Mooncake client; `bash scripts/dev.sh bench --soak` "
+              "runs it with vLLM 0.33", file=sys.stderr)
+        return 2
+    from ..bench.vllm_baseline import workers
+
+    try:
+        workers()
+    except ImportError as exc:
+        print(f"error: the soak builds vLLM's workers: {exc}", file=sys.stderr)
+        return 2
+    from ..bench import soak
+
+    requests = 2000 if args.quick else 20000
+    print(f"the asynchronous in-scheduler lookup, {requests:,} requests with aborts and resets, on a real master",
+          flush=True)
+    figures = soak.run_soak(requests, reset_every=max(500, requests // 5),
+                            progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+    print(soak.format_report(figures))
+    problems = soak.check_bounds(figures)
+    for line in problems:
+        print(f"bound NOT held: {line}")
+    print("every bound held" if not problems else f"{len(problems)} bound(s) NOT held")
+    return 1 if problems else 0

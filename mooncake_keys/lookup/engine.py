@@ -31,7 +31,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
-from .._checks import int_arg
+from .._checks import int_arg, skip_tokens_arg, tokens_arg
 from .contract import Contract
 from .deployment import Deployment, DeploymentViews, GroupLike, LookupPlan
 from .explain import Explanation, explain
@@ -235,10 +235,13 @@ class LookupEngine(DeploymentViews):
     def _prepare(self, num_tokens: int, block_hashes: Any, skip_tokens: Any, name: str = "num_tokens"
                  ) -> Optional[Prepared]:
         """``(num_tokens, the lookup length, the hashes, the plan, skip_tokens)``, checked; None
-        when there is nothing to look up. ``num_tokens`` is checked (``int_arg``) by the caller;
-        ``name``: the caller's name of it, for error messages."""
+        when there is nothing to look up. Every entry point's arguments are checked here:
+        ``num_tokens`` a token count in ``[0, 2**32 - 1]`` (vLLM's wire format: a larger one is
+        made up), ``skip_tokens`` in ``[0, num_tokens]``; ``name``: the caller's name of
+        ``num_tokens``, for error messages."""
         dep = self.deployment
-        skip_tokens = int_arg("skip_tokens", skip_tokens, min=0)
+        num_tokens = tokens_arg(name, num_tokens)
+        skip_tokens = skip_tokens_arg(skip_tokens, num_tokens, name)
         hashes = as_block_hashes(block_hashes)
         if dep.contract.aligns_lookup_length:
             token_len = dep.coordinator.align(num_tokens)
@@ -358,7 +361,7 @@ class LookupEngine(DeploymentViews):
     # --------------------------------------------------------------------------- public
     def candidate_keys(self, token_len: int, block_hashes: Any, *, skip_tokens: int = 0) -> List[str]:
         """The keys :meth:`lookup` sends, in order (group, then chunk, then namespace)."""
-        prepared = self._prepare(int_arg("token_len", token_len), block_hashes, skip_tokens, "token_len")
+        prepared = self._prepare(token_len, block_hashes, skip_tokens, "token_len")
         if prepared is None:
             return []
         _, aligned, hashes, plan, skip_tokens = prepared
@@ -370,10 +373,12 @@ class LookupEngine(DeploymentViews):
         ``num_tokens`` is the request's length in tokens: under vLLM 0.33 it is floored to the
         scheduler block size (the hash unit with partial hash hits), and a hit covering all of
         it is shortened so that the last token is computed; under vLLM 0.25 it must be a
-        multiple of the scheduler block size. ``block_hashes`` are the request's hashes at
+        multiple of the scheduler block size; it must be in ``0 .. 2**32 - 1`` (vLLM's wire
+        format; ValueError otherwise). ``block_hashes`` are the request's hashes at
         ``hash_block_size`` granularity (a sequence of bytes-like, or a :class:`BlockHashes`).
-        Chunks wholly below ``skip_tokens`` (tokens the engine holds locally) are not asked and
-        count as present. A store fault answers 0, logged.
+        Chunks wholly below ``skip_tokens`` (tokens of the prompt the engine holds locally, at
+        most ``num_tokens``: ValueError otherwise) are not asked and count as present. A store
+        fault answers 0, logged.
         """
         answer = self._lookup(num_tokens, block_hashes, skip_tokens)
         return answer[0] if answer is not None else 0
@@ -455,7 +460,6 @@ class LookupEngine(DeploymentViews):
         failed calls, whether an error code ended the hit), its length, hashes and plan, and how it asks: ``ONESHOT``, ``ROUNDS`` or
         None (nothing to ask and nothing presumed: no hit, as vLLM answers with no candidates)."""
         start = time.perf_counter()
-        num_tokens = int_arg("num_tokens", num_tokens)
         prepared = self._prepare(num_tokens, block_hashes, skip_tokens)
         tally = [num_tokens, 0, 0, 0, 0, False]
         mode = None

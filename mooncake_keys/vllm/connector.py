@@ -12,10 +12,13 @@ In ``kv_connector_extra_config``: ``"lookup_strategy"`` is the engine's strategy
 ``"rounds"`` (default: only the keys the answer needs) or ``"oneshot"`` (vLLM's very keys, one
 call); ``"lookup_in_scheduler": true`` makes the scheduler answer lookups itself
 (:mod:`.scheduler`), then vLLM's own ``"lookup_async": true`` makes them asynchronous and
-coalesced. With ``"lookup_async": true`` a request whose blocks another request is loading waits
-for that load instead of loading them again (:mod:`mooncake_keys.lookup.shared_loads`;
-``"share_loads": false`` turns that off). The drop-in's log lines join vLLM's log stream (:mod:`.logs`) and its metrics
-vLLM's (:mod:`.metrics`).
+coalesced; ``"master_lease_ttl_ms"`` (the master's ``--default_kv_lease_ttl``) lets those reuse
+the last call's answers within a tenth of that lease (unset: never). With ``"lookup_async":
+true`` a request whose blocks another request is loading waits for that load instead of loading
+them again (:mod:`mooncake_keys.lookup.shared_loads`; ``"share_loads": false`` turns that off;
+only on a release the drop-in supports, :mod:`.versions`). vLLM's reset (``reset_cache``, after
+RL weight updates) forgets every answer and load the scheduler side held. The drop-in's log
+lines join vLLM's log stream (:mod:`.logs`) and its metrics vLLM's (:mod:`.metrics`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
+from .._checks import MAX_SECONDS, int_arg
 from ..lookup.engine import STRATEGIES
 from ..lookup.shared_loads import SharedLoads
 from .handshake import handshake_path, new_token, publish, withdraw
@@ -35,10 +39,10 @@ from .mapping import Unsupported
 from .metrics import (FALLBACK, SHARED_WAIT, ConnectorStats, PromMetrics, add_row, fallback_row, recorder,
                       shared_wait_row)
 from .scheduler import SchedulerLookupClient, check_rank0, scheduler_deployment
-from .versions import contract_for_installed
+from .versions import contract_for_installed, installed_version, unsupported_reason
 from .worker import RecordedStore, accelerate_worker, log_once
 
-__all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER", "LOOKUP_STRATEGY", "SHARE_LOADS"]
+__all__ = ["FastMooncakeStoreConnector", "LOOKUP_IN_SCHEDULER", "LOOKUP_STRATEGY", "MASTER_LEASE_TTL_MS", "SHARE_LOADS"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 
@@ -49,6 +53,23 @@ LOOKUP_STRATEGY = "lookup_strategy"
 #: The ``kv_connector_extra_config`` switch of :mod:`mooncake_keys.lookup.shared_loads` (default
 #: true; it acts only where vLLM's ``lookup_async`` and ``load_async`` are both on).
 SHARE_LOADS = "share_loads"
+#: The ``kv_connector_extra_config`` key of the master's read lease, in ms (its
+#: ``--default_kv_lease_ttl``): how long the asynchronous in-scheduler lookups may reuse an
+#: answer (a tenth of it, at most 1 s). Unset: answers are never reused.
+MASTER_LEASE_TTL_MS = "master_lease_ttl_ms"
+
+
+def lease_of(extra: Dict[str, Any]) -> Optional[float]:
+    """The master's read lease in seconds from ``kv_connector_extra_config`` (None: not given);
+    a value that is not a whole number of ms in 1 .. a day: ValueError naming the key."""
+    ms = extra.get(MASTER_LEASE_TTL_MS)
+    if ms is None:
+        return None
+    try:
+        return int_arg(f"kv_connector_extra_config[{MASTER_LEASE_TTL_MS!r}]", ms, min=1,
+                       max=int(MAX_SECONDS * 1000)) / 1000.0
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class FastMooncakeStoreConnector(MooncakeStoreConnector):
@@ -66,6 +87,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         if self._strategy not in STRATEGIES:  # before vLLM's connector starts anything
             raise ValueError(f"kv_connector_extra_config[{LOOKUP_STRATEGY!r}] must be one of {STRATEGIES}, "
                              f"got {self._strategy!r}")
+        self._lease_s = lease_of(extra)
         super().__init__(vllm_config, role, kv_cache_config)
         self._in_scheduler = bool(extra.get(LOOKUP_IN_SCHEDULER, False))
         share = extra.get(SHARE_LOADS, True)
@@ -77,9 +99,12 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
                 self._lookup_in_scheduler(vllm_config)
             if share and sched is not None and getattr(sched, "lookup_async", False) \
                     and getattr(sched, "load_async", False):
-                self._shared_loads = SharedLoads(
-                    int(sched._hash_block_size),
-                    on_wait=lambda seconds, expired: self._append(SHARED_WAIT, shared_wait_row(seconds, expired)))
+                if contract_for_installed() is None:  # the drop-in does not run on this release
+                    log_once(logging.INFO, "mooncake_keys: share_loads is off: %s", unsupported_reason(installed_version()))
+                else:
+                    self._shared_loads = SharedLoads(
+                        int(sched._hash_block_size),
+                        on_wait=lambda seconds, outcome: self._append(SHARED_WAIT, shared_wait_row(seconds, outcome)))
             return
         worker = self.connector_worker
         if worker is None or vllm_config.parallel_config.rank != 0:
@@ -102,7 +127,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         contract = contract_for_installed()
         try:
             if contract is None:
-                raise Unsupported("this vLLM release is not supported")
+                raise Unsupported(unsupported_reason(installed_version()) or "this vLLM release is not supported")
             deployment = scheduler_deployment(sched, vllm_config, contract)
             store = MooncakeStore.lookup_client()
         except Exception as exc:  # noqa: BLE001 - any failure: vLLM's ZMQ path stays
@@ -113,7 +138,7 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         engine = LookupEngine.for_deployment(deployment, store=RecordedStore(store, self._record), strategy=self._strategy)
         engine.observer = recorder(self._append, "scheduler")
         path = handshake_path(vllm_config)
-        sched.client = SchedulerLookupClient(sched.client, engine, store,
+        sched.client = SchedulerLookupClient(sched.client, engine, store, lease_s=self._lease_s,
                                              verify=lambda: check_rank0(path, vllm_config, engine))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
@@ -144,6 +169,16 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
         super().update_connector_output(connector_output)
         if self._shared_loads is not None:
             self._shared_loads.step(connector_output.finished_recving or ())
+
+    def reset_cache(self) -> Any:
+        """vLLM's (its store's keys removed with force, through rank 0), then the scheduler
+        side forgets the loads it knew of (the in-scheduler lookups forget their answers in the
+        client's ``reset``, which vLLM's reset calls)."""
+        try:
+            return super().reset_cache()
+        finally:
+            if self._shared_loads is not None:
+                self._shared_loads.clear()
 
     def request_finished_all_groups(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         # vLLM's request_finished (every release 0.25-0.33) ends here too: one place forgets it.

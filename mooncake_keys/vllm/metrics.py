@@ -25,8 +25,10 @@ and meanings are :mod:`mooncake_keys.metrics`' table, shared with ``LookupMetric
 * ``vllm:mooncake_keys_fallback_info{reason}``: 1 for each reason vLLM's own lookup was kept;
 * ``vllm:mooncake_keys_shared_load_waits_total{outcome}`` and
   ``..._shared_load_wait_seconds_total``: requests that waited for another request's load of
-  their blocks (``share_loads``), by how the wait ended (``landed``: that load ended;
-  ``expired``: it waited the most it may, and loads itself), and the time they waited.
+  their blocks (``share_loads``), by how the wait ended (``landed``: that load landed;
+  ``dropped``: that load ended without landing, its request aborted or its end not reported in
+  time; ``expired``: it waited the most it may; in the last two it loads itself), and the time
+  they waited.
 
 The rows travel as plain dicts of numbers and strings (vLLM serializes them between processes);
 a lookup row also has the fields of vLLM's own rows, so vLLM's classes read it without failing.
@@ -42,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 )
 
 from ..lookup.engine import LookupRecord
+from ..lookup.shared_loads import OUTCOMES
 from ..metrics import COUNTERS, LATENCY_BUCKETS, LATENCY_DOC, LOOKUPS_DOC
 
 __all__ = ["LOOKUP", "FALLBACK", "SHARED_WAIT", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "record_of_row",
@@ -84,9 +87,12 @@ def fallback_row(reason: str) -> Dict[str, Any]:
             "reason": reason[:200]}
 
 
-def shared_wait_row(seconds: float, expired: bool) -> Dict[str, Any]:
-    """The stats row of a request that waited ``seconds`` for another request's load."""
-    return {"seconds": float(seconds), "outcome": "expired" if expired else "landed"}
+def shared_wait_row(seconds: float, outcome: str) -> Dict[str, Any]:
+    """The stats row of a request that waited ``seconds`` for another request's load, ended
+    with ``outcome`` (one of :data:`mooncake_keys.lookup.shared_loads.OUTCOMES`)."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+    return {"seconds": float(seconds), "outcome": outcome}
 
 
 def add_row(data: Dict[str, List[Dict[str, Any]]], operation: str, row: Dict[str, Any]) -> None:
@@ -157,7 +163,7 @@ class PromMetrics(MooncakeStorePromMetrics):
                                      labelnames=labelnames + ["outcome"],
                                      documentation="mooncake_keys: requests that waited for another request's load "
                                                    "of their blocks (share_loads), by how the wait ended (landed, "
-                                                   "expired).")
+                                                   "dropped: that load did not land, expired: waited 1 s).")
         self._shared_wait_seconds = counter(name="vllm:mooncake_keys_shared_load_wait_seconds_total",
                                             labelnames=labelnames,
                                             documentation="mooncake_keys: seconds requests waited for another "

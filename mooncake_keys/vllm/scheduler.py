@@ -16,7 +16,12 @@ vLLM's scheduler asks ``lookup(req_id, num_tokens, block_hashes, non_block=...)`
   handed to a :class:`~mooncake_keys.lookup.batch.LookupBatcher` and None is answered until its
   lookup is decided (vLLM then retries the request on a later step). The scheduler's thread
   never waits on the master; lookups pending together go to the master together, a key shared
-  by several requests asked once; ``discard`` (a request aborted while pending) stops it.
+  by several requests asked once; ``discard`` (a request aborted while pending) stops it. The
+  last call's answers are reused only with the master's lease known (``lease_s``), and ``reset``
+  (vLLM's, which removes every key with force) forgets every answer got before it.
+
+``num_tokens`` is taken as vLLM's own client takes it: one its wire format (u32) cannot carry is
+answered 0 with a log line, as vLLM answers it; everything in range as rank 0 would.
 
 Every lookup answered here is recorded as vLLM's ``lookup_exists`` operation and the drop-in's
 own metrics (side ``scheduler``), reported through the scheduler connector's stats.
@@ -28,9 +33,10 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional
 
+from .._checks import in_token_range
 from ..lookup.batch import LookupBatcher
 from ..lookup.deployment import Deployment
-from ..lookup.engine import LookupEngine
+from ..lookup.engine import LookupEngine, LookupResult
 from .handshake import ask_rank0, read_published, token_answer
 from .mapping import Unsupported, deployment_of
 from .worker import VllmResults, log_once
@@ -70,13 +76,15 @@ class SchedulerLookupClient:
     rank 0's keys and token are confirmed, through ``zmq_client`` until then (and for ``reset``,
     which rank 0 must run). ``verify`` (e.g. :func:`check_rank0`: None when confirmed, else why
     not) runs in a background thread until it confirms; None checks nothing and answers
-    in-process at once (for tests of the lookups alone)."""
+    in-process at once (for tests of the lookups alone). ``lease_s``: the master's read lease in
+    seconds (None: unknown), for the asynchronous lookups' reuse of answers."""
 
     def __init__(self, zmq_client: Any, engine: LookupEngine, store: Any, *,
-                 verify: Optional[Callable[[], Optional[str]]]) -> None:
+                 verify: Optional[Callable[[], Optional[str]]], lease_s: Optional[float] = None) -> None:
         self.zmq = zmq_client
         self.engine = engine
         self.store = store
+        self.lease_s = lease_s
         self.verified = False
         #: Why lookups still take the ZMQ path (the handshake's last answer), None once verified.
         self.why_not: Optional[str] = "the handshake with rank 0 has not run yet"
@@ -117,20 +125,25 @@ class SchedulerLookupClient:
     def lookup(self, req_id: str, num_tokens: int, block_hashes: Any, non_block: bool = False) -> Any:
         if not self.verified:
             return self.zmq.lookup(req_id, num_tokens, block_hashes, non_block=non_block)
+        if not in_token_range(num_tokens):  # vLLM's client fails to encode it, logs, and answers 0
+            logger.warning("mooncake_keys: lookup of %s answered 0: num_tokens %r does not fit vLLM's lookup "
+                           "wire format (0 .. 2**32 - 1)", req_id, num_tokens)
+            return self._results(LookupResult(0))
         if not non_block:
             return self._results(self.engine.lookup_result(num_tokens, block_hashes))
         batcher = self._batcher or self._start_batcher()
         result = batcher.poll(req_id)
         if result is not None:
             return self._results(result)
-        if not batcher.pending(req_id):
+        if not batcher.pending(req_id):  # pending from submit until the answer is taken: no gap
             batcher.submit(req_id, num_tokens, list(block_hashes))  # vLLM's list may grow later
         return None
 
     def _start_batcher(self) -> LookupBatcher:
         with self._lock:
             if self._batcher is None:
-                self._batcher = LookupBatcher(self.engine, name="mooncake_keys-scheduler-lookups")
+                self._batcher = LookupBatcher(self.engine, lease_s=self.lease_s,
+                                              name="mooncake_keys-scheduler-lookups")
             return self._batcher
 
     def discard(self, req_id: str) -> None:
@@ -139,9 +152,15 @@ class SchedulerLookupClient:
         self.zmq.discard(req_id)
 
     def reset(self) -> bool:
-        ok = self.zmq.reset()
-        self.engine.key_cache.clear()
-        return ok
+        """vLLM's reset (rank 0 removes every key, with force), then every answer got before it
+        is forgotten: none is reused, lookups under way start again (also when the reset
+        failed: it may have removed some keys)."""
+        try:
+            return self.zmq.reset()
+        finally:
+            self.engine.key_cache.clear()
+            if self._batcher is not None:
+                self._batcher.forget_answers()
 
     def close(self) -> None:
         self._closed.set()

@@ -262,6 +262,62 @@ def test_share_loads_is_on_where_vllm_asks_asynchronously_and_loads_asynchronous
         vllm_workers.build_scheduler_connector({**base, "extra_config": {"lookup_async": True, "share_loads": "yes"}})
 
 
+def test_vllms_reset_forgets_the_loads_share_loads_knew():
+    """vLLM's reset (reset_cache: rank 0 removes every key with force, over vLLM's ZMQ channel)
+    drops the loads the scheduler side knew of: a request held on one goes on ("dropped"), as
+    its blocks are gone from the store."""
+    cfg = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+           "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True, "lookup_server": True,
+           "extra_config": {"lookup_async": True, "lookup_rpc_port": 43}}
+    memory = mk.MemoryStore()
+    worker = vllm_workers.build_worker(cfg, memory)
+    connector = vllm_workers.build_scheduler_connector(cfg)
+    waits = []
+    try:
+        shared = connector._shared_loads
+        shared._on_wait = lambda seconds, outcome: waits.append(outcome)
+        hashes = [bytes([i]) * 32 for i in range(4)]
+        shared.loading("a", hashes, 0, 64)
+        assert shared.waits("b", hashes, 0)
+        memory.put("kept-until-the-reset")
+        assert connector.reset_cache() is True
+        assert len(memory) == 0 and len(shared) == 0
+        assert not shared.waits("b", hashes, 0) and waits == ["dropped"]
+    finally:
+        connector.connector_scheduler.client.close()
+        vllm_workers.release(worker)
+
+
+def test_rank_0_answers_what_vllm_can_send_as_vllm_does_and_is_never_sent_more():
+    """The library refuses a num_tokens outside 0 .. 2**32 - 1; vLLM's lookup channel carries a
+    u32, so its client cannot send one (it logs and answers 0 itself), and rank 0's accelerated
+    lookup answers every value it can receive as vLLM's own lookup does (or raises where it raises)."""
+    cfg = {"kv_connector": "FastMooncakeStoreConnector", "kv_connector_module_path": "mooncake_keys.vllm",
+           "groups": [{"type": "full", "block_size": 16}], "reuse_model_config": True, "lookup_server": True,
+           "extra_config": {"lookup_rpc_port": 44}}
+    worker = vllm_workers.build_worker(cfg, mk.RecordingStore(lambda keys: [1] * len(keys)))
+    connector = vllm_workers.build_scheduler_connector(cfg)
+    client = connector.connector_scheduler.client  # vLLM's own LookupKeyClient (no in-scheduler lookup)
+    try:
+        assert isinstance(worker.lookup, FastLookup)
+        hashes = [bytes([i]) * 32 for i in range(8)]
+        for n in (-1, -64, 2**32, 10**20):
+            assert vllm_workers.hit_length(client.lookup(f"r{n}", n, hashes)) == 0  # never reaches rank 0
+        for n in (0, 1, 15, 16, 128, 129, 2**32 - 16, 2**32 - 1):
+            def outcome(lookup):
+                try:
+                    return repr(lookup(n, hashes))
+                except Exception as exc:  # noqa: BLE001 - vLLM's own raise is an outcome
+                    return f"raised {type(exc).__name__}"
+            ours, vllms = outcome(worker.lookup), outcome(worker.lookup.original)
+            assert ours == vllms or (ours.startswith("raised") and vllms.startswith("raised")), (n, ours, vllms)
+            if not ours.startswith("raised") and n % 16 == 0:  # over vLLM's channel, too
+                assert repr(client.lookup(f"w{n}", n, hashes)) == vllms
+    finally:
+        client.close()
+        vllm_workers.release(worker)
+
+
 def test_a_generic_model_folder_without_a_cache_prefix_is_warned_about(caplog):
     """vLLM names keys by the model path's last component: two models saved in folders named
     alike share keys. The drop-in keeps vLLM's keys and says so once at start."""

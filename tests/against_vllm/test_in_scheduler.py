@@ -57,9 +57,22 @@ def deployment(master, tmp_path, monkeypatch):
         holder.close()
 
 
-def scheduler_client():
-    connector = vllm_workers.build_scheduler_connector(CFG)
+def scheduler_client(**extra):
+    """The scheduler-side connector of CFG (``extra``: more of kv_connector_extra_config) and its client."""
+    cfg = {**CFG, "extra_config": {**CFG["extra_config"], **extra}}
+    connector = vllm_workers.build_scheduler_connector(cfg)
     return connector, connector.connector_scheduler.client
+
+
+def answer_async(client, rid, num_tokens, hashes, seconds=20.0):
+    """Ask as vLLM's scheduler does with lookup_async (None: ask again next step) until answered."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got = client.lookup(rid, num_tokens, hashes, non_block=True)
+        if got is not None:
+            return got
+        time.sleep(0.001)
+    raise AssertionError(f"{rid} not answered in {seconds} s")
 
 
 def store_prefix(holder, engine, hashes, tokens):
@@ -172,6 +185,123 @@ def test_without_a_store_config_the_zmq_path_stays(deployment, monkeypatch, capl
         assert client.lookup("r", 64, hashes) == worker.lookup(64, hashes)
     finally:
         client.close()
+
+
+# ---------------------------------------------------------------------- reset, lease, wire values, a long stream
+#: One full-attention group on TP 2: a prefix of 32 chunks is 64 keys, which a burst's last call
+#: answers all of (the issue's reproduction of the false hit after a reset).
+FULL_CFG = {**CFG, "pp_size": 1, "groups": [{"type": "full", "block_size": 16}],
+            "extra_config": {"lookup_in_scheduler": True, "lookup_rpc_port": 8}}
+
+
+@pytest.fixture
+def full_deployment(master, tmp_path, monkeypatch):
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "master_server_address": master.master_address,
+                                  "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
+                                  "local_buffer_size": 16 << 20}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+    holder = MooncakeStore.connect(master.master_address)
+    worker = vllm_workers.build_worker(FULL_CFG, holder)
+    try:
+        yield holder, worker
+    finally:
+        vllm_workers.release(worker)
+        holder.remove_all(force=True)
+        holder.close()
+
+
+@pytest.mark.parametrize("lease", [None, "master's"])
+def test_vllms_reset_leaves_no_reused_answer(full_deployment, master, lease):
+    """vLLM's reset (its reset_cache: rank 0 removes every key with force, over vLLM's own ZMQ
+    channel) right after asynchronous lookups hit: a lookup asked at once answers what vLLM's
+    own lookup answers on the emptied store (0), as does one answered before the reset whose
+    answer vLLM had not taken yet. (Before the fix: 496 tokens, from the last call's answers.)"""
+    holder, worker = full_deployment
+    extra = {} if lease is None else {"master_lease_ttl_ms": master.default_kv_lease_ttl}
+    connector = vllm_workers.build_scheduler_connector(
+        {**FULL_CFG, "extra_config": {**FULL_CFG["extra_config"], "lookup_async": True, **extra}})
+    client = connector.connector_scheduler.client
+    try:
+        assert vllm_workers.wait_verified(client), client.why_not
+        engine = worker.lookup.engine
+        hashes = [bytes([i, 7]) * 16 for i in range(32)]
+        store_prefix(holder, engine, hashes, 32 * 16)
+        assert answer_async(client, "a", 32 * 16, hashes).hit_length == 496
+        assert client.lookup("c", 32 * 16, hashes, non_block=True) is None
+        batcher = client._batcher
+        deadline = time.monotonic() + 10
+        while batcher.stats.answered < 2:  # c answered, not yet taken by vLLM
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert connector.reset_cache() is True  # vLLM's own reset path
+        assert not any(holder.batch_is_exist(engine.candidate_keys(32 * 16, hashes)))
+        after = answer_async(client, "b", 32 * 16, hashes)
+        assert after == worker.lookup.original(32 * 16, hashes) and after.hit_length == 0
+        assert answer_async(client, "c", 32 * 16, hashes).hit_length == 0
+        assert batcher.stats.restarted >= 1
+    finally:
+        client.close()
+
+
+def test_the_reuse_window_is_a_tenth_of_the_configured_lease_and_none_without_one(deployment, master):
+    for extra, reuse in (({}, 0.0), ({"master_lease_ttl_ms": 200}, 0.02), ({"master_lease_ttl_ms": 10000}, 1.0),
+                         ({"master_lease_ttl_ms": 60000}, 1.0)):
+        connector, client = scheduler_client(lookup_async=True, **extra)
+        try:
+            assert vllm_workers.wait_verified(client), client.why_not
+            client.lookup("r", 64, [bytes([i]) * 32 for i in range(4)], non_block=True)
+            assert client._batcher.reuse_s == pytest.approx(reuse), extra
+        finally:
+            client.close()
+    for bad in (0, -5, 1.5, "200", True, 86400001):
+        with pytest.raises(ValueError, match="master_lease_ttl_ms"):
+            scheduler_client(lookup_async=True, master_lease_ttl_ms=bad)
+
+
+def test_what_vllms_client_cannot_send_is_answered_as_vllm_answers_it(deployment, caplog):
+    """num_tokens beyond vLLM's wire format (u32): vLLM's own client fails to encode it, logs and
+    answers 0; the in-scheduler client answers the same, synchronously and asynchronously, and
+    never raises (the library API refuses such values). In range, rank 0's very answers."""
+    holder, worker = deployment
+    connector, client = scheduler_client()
+    _, async_client = scheduler_client(lookup_async=True)
+    try:
+        assert vllm_workers.wait_verified(client) and vllm_workers.wait_verified(async_client)
+        engine = worker.lookup.engine
+        hashes = [bytes([i, 9]) * 16 for i in range(24)]
+        store_prefix(holder, engine, hashes, 24 * 16)
+        for n in (-64, -1, 2**32, 10**20):
+            vllms = client.zmq.lookup(f"z{n}", n, hashes)
+            assert vllm_workers.hit_length(vllms) == 0
+            assert client.lookup(f"s{n}", n, hashes) == vllms
+            assert answer_async(async_client, f"a{n}", n, hashes) == vllms
+        for n in (0, 24 * 16, 2**32 - 16, 2**32 - 1):
+            own = worker.lookup.original(n, hashes)
+            assert client.lookup(f"s{n}", n, hashes) == client.zmq.lookup(f"z{n}", n, hashes) == own, n
+            assert answer_async(async_client, f"a{n}", n, hashes) == own, n
+    finally:
+        client.close()
+        async_client.close()
+
+
+def test_a_long_stream_with_aborts_and_resets(deployment):
+    """The soak of docs/benchmarks.md, short: 1,500 requests sharing system prompts through the
+    connector's own methods, a tenth aborted while waiting, vLLM's reset 3 times with lookups
+    pending. Every answer is vLLM's own lookup's on the same store, no lookup is submitted twice
+    while under way, none is left behind, every table within its bound."""
+    from mooncake_keys.bench import soak
+
+    figures = soak.run_soak(1500, reset_every=400, seed=3)
+    assert soak.check_bounds(figures) == [], soak.format_report(figures)
+    b = figures["batcher"]
+    assert figures["resets"] == 3 and figures["aborted"] > 50 and figures["compared_hits"] > 500
+    assert figures["different"] == 0 and b["replaced"] == 0 and figures["left_behind"] == 0
+    assert b["submitted"] == figures["answered"] + b["discarded"]  # each lookup submitted once
+    assert b["restarted"] > 0 and b["keys_reused"] > 0  # the reset came with lookups under way; reuse was on
+    most = figures["most"]
+    assert most["batcher lookups"] <= most["waiting requests"]
+    assert most["batcher recent_requests"] <= 256 and most["share_loads held"] <= most["waiting requests"]
 
 
 # ---------------------------------------------------------------------- the handshake

@@ -66,13 +66,13 @@ def test_the_metrics_are_exact_through_vllms_own_path():
         assert len(rows) == 4 and {r["side"] for r in rows} == {"worker"}
         data = copy.deepcopy(worker.kv_connector_stats.data)
         # The scheduler side's rows of share_loads: two requests waited for a load that landed, one
-        # waited 1 s and loaded itself.
-        for seconds, expired in ((0.25, False), (0.5, False), (1.0, True)):
-            add_row(data, SHARED_WAIT, shared_wait_row(seconds, expired))
+        # for a load that did not land, one waited 1 s; the last two loaded themselves.
+        for seconds, outcome in ((0.25, "landed"), (0.5, "landed"), (0.125, "dropped"), (1.0, "expired")):
+            add_row(data, SHARED_WAIT, shared_wait_row(seconds, outcome))
         stats = connector_cls.build_kv_connector_stats(data=data)
         summary = stats.reduce()
         assert summary["mooncake_keys_lookups"] == 4 and summary["mooncake_keys_faults"] == 1
-        assert summary["mooncake_keys_shared_load_waits"] == 3 and summary["mooncake_keys_shared_load_wait_ms"] == 583.3
+        assert summary["mooncake_keys_shared_load_waits"] == 4 and summary["mooncake_keys_shared_load_wait_ms"] == 468.8
 
         vllm_config, _ = vllm_workers.build_configs(CFG)
         prom = KVConnectorProm(vllm_config, list(LABELS), {0: list(LABELS.values())})
@@ -95,8 +95,11 @@ def test_the_metrics_are_exact_through_vllms_own_path():
         assert value("vllm:mooncake_keys_lookup_seconds_count", side="worker") == 4
         assert value("vllm:mooncake_keys_store_unavailable_seconds_total", side="worker") > 0  # from the fault on
         assert value("vllm:mooncake_keys_shared_load_waits_total", outcome="landed") == 2
+        assert value("vllm:mooncake_keys_shared_load_waits_total", outcome="dropped") == 1
         assert value("vllm:mooncake_keys_shared_load_waits_total", outcome="expired") == 1
-        assert value("vllm:mooncake_keys_shared_load_wait_seconds_total") == pytest.approx(1.75)
+        assert value("vllm:mooncake_keys_shared_load_wait_seconds_total") == pytest.approx(1.875)
+        with pytest.raises(ValueError, match="outcome"):
+            shared_wait_row(0.5, True)
         # vLLM's own record of each store call is kept beside ours.
         assert len(stats.data["lookup_exists"]) == len(store.calls)
     finally:
