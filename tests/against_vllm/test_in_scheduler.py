@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -127,15 +128,23 @@ def test_async_lookups_wait_for_nothing_and_ask_together(deployment):
         system = [rng.randbytes(32) for _ in range(48)]
         store_prefix(holder, engine, system, 48 * 16)
         requests = {f"a{i}": system + [rng.randbytes(32) for _ in range(rng.randint(0, 16))] for i in range(24)}
-        answers, slowest = {}, 0.0
-        deadline = time.monotonic() + 20
+        # Which threads ask the master: never the scheduler's (this one). Recorded, not timed: a
+        # loaded machine can make any call slow.
+        callers = []
+        call_store = client.engine.call_store
+
+        def recorded(keys):
+            callers.append(threading.get_ident())
+            return call_store(keys)
+
+        client.engine.call_store = recorded
+        answers = {}
+        deadline = time.monotonic() + 60
         while len(answers) < len(requests) and time.monotonic() < deadline:
             for rid, hashes in requests.items():
                 if rid in answers:
                     continue
-                t0 = time.perf_counter()
                 got = client.lookup(rid, len(hashes) * 16, hashes, non_block=True)
-                slowest = max(slowest, time.perf_counter() - t0)
                 if got is not None:
                     answers[rid] = got
             time.sleep(0.001)
@@ -147,7 +156,7 @@ def test_async_lookups_wait_for_nothing_and_ask_together(deployment):
         rounds = client.engine.stats().store_calls  # each lookup's calls, shared or not
         assert batcher.stats.calls < rounds  # shared calls
         assert batcher.stats.keys_asked < batcher.stats.keys_wanted  # shared keys asked once
-        assert slowest < 0.05, slowest  # never a store call in the scheduler's thread
+        assert callers and threading.get_ident() not in callers  # never a store call in the scheduler's thread
     finally:
         client.close()
 
