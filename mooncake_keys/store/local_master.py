@@ -102,6 +102,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _distinct_port(taken: set) -> int:
+    """A free port not in ``taken`` (added to it)."""
+    while True:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            return port
+
+
 def http_json(url: str, timeout: float = 0.5) -> Optional[Any]:
     """GET ``url`` and parse JSON; None on any failure."""
     try:
@@ -237,10 +246,12 @@ class LocalMaster:
         if self.is_running():
             raise LocalMasterError(f"mooncake_master already running (pid {self.pid})")
         exe = self.executable or find_master_executable()
-        self.rpc_port = self.rpc_port or free_port()
-        self.metrics_port = self.metrics_port or free_port()
+        # Ports picked one after another can come out equal (each probe socket is closed first).
+        taken = {p for p in (self.rpc_port, self.metrics_port, self.events_port) if p}
+        self.rpc_port = self.rpc_port or _distinct_port(taken)
+        self.metrics_port = self.metrics_port or _distinct_port(taken)
         if self.kv_events:
-            self.events_port = self.events_port or free_port()
+            self.events_port = self.events_port or _distinct_port(taken)
         if self.log_path is None or self._own_log:
             self._own_log = True
             if self._workdir is None:  # a restart after a kill appends to the same log
