@@ -137,7 +137,7 @@ class RecordingStore:
                 self.probe_calls.append("exist")
         return answer
 
-    def _existence(self, keys: Any) -> Any:
+    def _existence(self, keys: Any, ask: Optional[Callable[[Any], Any]] = None) -> Any:
         if self.check_keys and not (type(keys) is list and all(type(k) is str for k in keys)):
             raise TypeError(f"batch_is_exist was given {type(keys).__name__}, not a list of str")
         with self._lock:
@@ -148,7 +148,7 @@ class RecordingStore:
                 self.calls.append(list(keys))
         fault = self.fault
         if fault is None or (self.fault_calls is not None and call not in self.fault_calls):
-            answer = self._answer(keys)
+            answer = (ask or self._answer)(keys)
             if self.record_keys and type(answer) is list:
                 from ..lookup._core import reduce_presence  # answers exactly 1, no item's code run
 
@@ -167,12 +167,22 @@ class RecordingStore:
         return [fault] * len(keys)
 
     def lease_probes(self) -> bool:
-        """Whether ``batch_probe_key`` answers (``leases=True``: a Mooncake 0.3.14 store)."""
+        """Whether ``batch_probe_key`` answers (``leases=True``: a Mooncake 0.3.14 store; with a
+        store behind this one, that store's answer)."""
+        if not self.leases and self._backing is not None:
+            probes = getattr(self._backing, "lease_probes", None)
+            return bool(probes()) if callable(probes) else False
         return self.leases
 
     def batch_probe_key(self, keys: Any, policy: str = "none", candidate_size: int = 1) -> Any:
         if not self.leases:
-            raise AttributeError("this RecordingStore has no batch_probe_key (leases=False: Mooncake 0.3.13)")
+            backing = self._backing
+            if backing is None or not callable(getattr(backing, "batch_probe_key", None)):
+                raise AttributeError("this RecordingStore has no batch_probe_key (leases=False: Mooncake 0.3.13)")
+            answer = self._existence(keys, lambda k: backing.batch_probe_key(k, policy, candidate_size))
+            with self._lock:
+                self.probe_calls.append(policy)
+            return answer
         if policy not in ("none", "LastHitOnly"):
             raise ValueError(f"Unknown batch_probe_key policy {policy!r}")
         answer = self._existence(keys)
