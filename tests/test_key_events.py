@@ -255,3 +255,37 @@ def test_more_keys_than_max_keys_turn_the_mirror_off(impl, newest_master, newest
 
 
 # A failover (the leader killed, the standby serving): tests/test_failover.py's 0.3.14 run.
+
+
+def test_the_mirror_is_on_the_librarys_metrics(impl, newest_master, newest_store):
+    prom = pytest.importorskip("prometheus_client")
+    from mooncake_keys.metrics import LookupMetrics
+
+    registry = prom.CollectorRegistry()
+    model = f"metrics-{impl.__name__[-1]}"
+    e = engine(newest_store, model, source(newest_master))
+    LookupMetrics(e, registry=registry, labels={"deployment": model})
+    try:
+        wait_for(lambda: e.mirror.ready, what="the mirror")
+        hashes = hashes_of(model)
+        keys = e.candidate_keys(N * 16, hashes)
+        put(newest_store, keys[:10 * 2])
+        wait_for(lambda: e.mirror.stats().keys == 20, what="keys mirrored")
+        assert e.lookup(N * 16 + 1, hashes) == 10 * 16
+        assert e.lookup(N * 16 + 1, hashes_of(model + "-miss")) == 0
+
+        def value(name):
+            return registry.get_sample_value(name, {"deployment": model}) or 0.0
+
+        assert value("mooncake_keys_lookups_without_call_total") == 1
+        assert value("mooncake_keys_lookup_leased_keys_total") == 20
+        assert value("mooncake_keys_key_mirror_keys") == 20
+        assert value("mooncake_keys_key_mirror_complete") == 1
+        assert value("mooncake_keys_key_events_total") == 20
+        assert value("mooncake_keys_key_event_messages_total") >= 20
+        assert value("mooncake_keys_key_mirror_rebuilds_total") == 1
+        assert value("mooncake_keys_key_event_gaps_total") == 0
+        assert value("mooncake_keys_lookup_mirror_keys_total") == e.stats().mirror_keys > 0
+    finally:
+        e.close()
+        newest_store.remove_all(force=True)
