@@ -47,6 +47,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "minutes; `bash scripts/dev.sh bench --engine` installs the engine and runs it")
     parser.add_argument("--engine-plot", type=png_path, metavar="PATH",
                         help="with --engine: write its plot there (no plot otherwise)")
+    parser.add_argument("--leases", action="store_true",
+                        help="instead: read leases and key events on a real Mooncake 0.3.14 master (calls, keys "
+                             "and leases per lookup at 0/10/50/100 %% stored, a burst, churn; "
+                             "mooncake_keys.bench.leases); about a minute")
+    parser.add_argument("--master-binary", metavar="PATH",
+                        help="with --leases: the mooncake_master to run (a 0.3.14 one; default: the installed)")
 
 
 #: The options of the standard run that mean nothing to the engine benchmark.
@@ -56,6 +62,15 @@ NOT_WITH_ENGINE = ("repeat", "no_master", "plot_dir", "plot", "master_plot")
 def main(args: argparse.Namespace) -> int:
     if args.engine:
         return _engine(args)
+    if args.leases:
+        from ..bench.leases import format_leases, run_leases
+
+        print(format_leases(run_leases(args.master_binary, quick=args.quick,
+                                       progress=lambda m: print(f".. {m}", file=sys.stderr, flush=True))))
+        return 0
+    if args.master_binary:
+        print("error: --master-binary is the master of --leases", file=sys.stderr)
+        return 2
     if args.engine_plot:
         print("error: --engine-plot is the plot of --engine", file=sys.stderr)
         return 2

@@ -327,7 +327,9 @@ class LookupEngine(DeploymentViews):
 
     def call_lease(self, keys: List[str]) -> Optional[list]:
         """The lease call of a hit: ``keys`` (every key its load reads) leased all or none, and
-        per key whether it exists (1), or None (the fault policy of :meth:`call_store`).
+        per key whether it exists (1), or None (the fault policy of :meth:`call_store`). A
+        lookup makes it itself (it is its own: Mooncake leases one all-or-nothing set per call);
+        without lease-free probes the lease call is an existence call the lookup yields.
 
         ``batch_probe_key(keys, "LastHitOnly", len(keys))`` where the store has lease-free
         probes (one candidate of every key: leased exactly when all exist); else
@@ -581,7 +583,12 @@ class LookupEngine(DeploymentViews):
                     return low, n, state.low
                 keys = self._segment_keys(state, segments, hashes)
                 mark = mirror.mark() if mirror is not None else None
-                results = self.call_lease(keys)
+                if self._lease_probes():
+                    results = self.call_lease(keys)  # LastHitOnly: this lookup's own all-or-nothing set
+                else:
+                    # batch_is_exist leases what it finds: an existence call like any other, which
+                    # a batch of lookups asks together (a shared prompt's keys once).
+                    results = yield keys
                 flags = self._answered(results, [(len(seg.slots), len(seg.heads)) for seg in segments], len(keys), tally,
                                        lease=True)
                 if flags is None:

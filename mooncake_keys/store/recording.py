@@ -63,7 +63,8 @@ class RecordingStore:
     ``"LastHitOnly"``, the last group of ``candidate_size`` keys that all answered 1; every
     ``batch_is_exist`` leases the keys it answers 1. ``leased`` holds the keys each call leased
     (one list per call, in order), ``probe_calls`` the policy of each call (``"exist"`` for
-    ``batch_is_exist``).
+    ``batch_is_exist``). Over a Mooncake store (``answer`` a store) they are kept too, by the
+    same rules: the leases that store's master granted.
     """
 
     def __init__(
@@ -130,7 +131,7 @@ class RecordingStore:
 
     def batch_is_exist(self, keys: Any) -> Any:
         answer = self._existence(keys)
-        if self.leases:
+        if self.leases or (self._backing is not None and self.record_keys):
             leased = [k for k, a in zip(keys, answer) if a == 1] if type(answer) is list else []
             with self._lock:
                 self.leased.append(leased)
@@ -180,12 +181,10 @@ class RecordingStore:
             if backing is None or not callable(getattr(backing, "batch_probe_key", None)):
                 raise AttributeError("this RecordingStore has no batch_probe_key (leases=False: Mooncake 0.3.13)")
             answer = self._existence(keys, lambda k: backing.batch_probe_key(k, policy, candidate_size))
-            with self._lock:
-                self.probe_calls.append(policy)
-            return answer
-        if policy not in ("none", "LastHitOnly"):
-            raise ValueError(f"Unknown batch_probe_key policy {policy!r}")
-        answer = self._existence(keys)
+        else:
+            if policy not in ("none", "LastHitOnly"):
+                raise ValueError(f"Unknown batch_probe_key policy {policy!r}")
+            answer = self._existence(keys)
         leased: List[str] = []
         if policy == "LastHitOnly" and type(answer) is list and candidate_size > 0 and len(keys) % candidate_size == 0:
             for start in range(len(keys) - candidate_size, -1, -candidate_size):

@@ -368,9 +368,9 @@ def test_with_key_events_a_miss_asks_nothing_and_a_hit_its_keys_once(events_mast
             hashes = [rng.randbytes(32) for _ in range(n)]
             stored = rng.choice([0, 0, rng.randint(1, n)])
             store_prefix(holder, engine, hashes, stored * 16)
-            want = len(engine.candidate_keys(stored * 16, hashes)) if stored else 0
-            deadline = time.monotonic() + 5
-            while mirror.stats().keys < want and time.monotonic() < deadline:
+            saved = engine.candidate_keys(stored * 16, hashes) if stored else []
+            deadline = time.monotonic() + 5  # the saves' events reach the mirror a moment later
+            while saved and mirror.answer(saved) != [1] * len(saved) and time.monotonic() < deadline:
                 time.sleep(0.005)
             num_tokens = n * 16 + rng.choice([0, 1, 7])
             in_process = client.lookup(f"e{i}", num_tokens, hashes)
@@ -381,11 +381,14 @@ def test_with_key_events_a_miss_asks_nothing_and_a_hit_its_keys_once(events_mast
         rows = stats.data[LOOKUP]
         assert len(rows) == 30
         assert sum(r["calls"] for r in rows) == expected_calls == len(stats.data.get("lookup_exists", []))
-        assert all(r["calls"] == 0 for r in rows if r["hit_tokens"] == 0)
-        assert sum(r["answered_without_call"] for r in rows) == 30 - expected_calls
+        misses = [r for r in rows if r["hit_tokens"] == 0]
+        assert all(r["calls"] == 0 for r in misses)  # a miss asks the master nothing ...
+        # ... answered by the mirror (or with nothing to ask: a prompt shorter than a scheduler block)
+        assert all(r["answered_without_call"] == (r["mirror_keys"] > 0) for r in misses)
+        assert sum(r["answered_without_call"] for r in rows) >= 10
         assert rows[-1]["mirror"]["complete"] == 1 and rows[-1]["mirror"]["keys"] == mirror.stats().keys
         reduced = stats.reduce()
-        assert reduced["mooncake_keys_without_call"] == 30 - expected_calls
+        assert reduced["mooncake_keys_without_call"] == sum(r["answered_without_call"] for r in rows)
     finally:
         client.close()
         vllm_workers.release(worker)
