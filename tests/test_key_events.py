@@ -98,6 +98,15 @@ def test_where_to_read_events_is_checked_and_named():
                         key_events={"endpoint": "tcp://127.0.0.1:1", "http": "http://127.0.0.1:1"})
 
 
+def test_where_rounds_are_not_exact_the_events_are_not_used_and_it_says_so(caplog):
+    with caplog.at_level("WARNING", "mooncake_keys.lookup"):
+        e = mk.LookupEngine("m", [F(32)], LAYOUT, hash_block_size=16, store=mk.RecordingStore(),
+                            partial_hash_hits=True, key_events={"endpoint": "tcp://127.0.0.1:1",
+                                                                "http": "http://127.0.0.1:1"})
+    assert e.strategy == "oneshot" and e.mirror is None
+    assert any("key_events is not used" in r.getMessage() for r in caplog.records)
+
+
 # ------------------------------------------------------------------ on the session's 0.3.14 master
 def test_a_miss_asks_nothing_a_hit_asks_its_own_keys_once_and_they_are_leased(impl, newest_master, newest_store):
     model = f"events-{impl.__name__[-1]}"
@@ -120,7 +129,9 @@ def test_a_miss_asks_nothing_a_hit_asks_its_own_keys_once_and_they_are_leased(im
         before = e.mirror.stats()
         other = engine(mk.RecordingStore(), model + "-other", None).candidate_keys(64 * 16, hashes_of("other", 64))
         put(newest_store, other)
-        wait_for(lambda: e.mirror.stats().messages >= before.messages + len(other), what="the other keys' events")
+        published = http_json(newest_master.http_address + "/kv_events/status")["published_batches"]
+        wait_for(lambda: e.mirror.stats().messages >= before.messages + len(other), 30,
+                 what=f"the other keys' events ({before}, {e.mirror.stats()}, {published} published)")
         assert e.mirror.stats().keys == 600 and e.mirror.stats().events == before.events
     finally:
         e.close()

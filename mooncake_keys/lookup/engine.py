@@ -185,7 +185,8 @@ class LookupEngine(DeploymentViews):
     @classmethod
     def for_deployment(cls, deployment: Deployment, *, store: Any, **options: Any) -> "LookupEngine":
         """The engine of ``deployment``, asking ``store``; ``options`` are the engine's own
-        (``strategy``, ``rounds_min_keys``, ``key_cache_bytes``, ``spare_key_bytes``)."""
+        (``strategy``, ``rounds_min_keys``, ``key_cache_bytes``, ``spare_key_bytes``,
+        ``key_events``)."""
         engine = cls.__new__(cls)
         engine._start(deployment, store, **options)
         return engine
@@ -239,17 +240,21 @@ class LookupEngine(DeploymentViews):
         self.mirror: Any = None
         self._own_mirror = False
         if key_events is not None:
-            self._start_mirror(key_events)
+            self._start_mirror(key_events, strategy)
 
-    def _start_mirror(self, key_events: Any) -> None:
+    def _start_mirror(self, key_events: Any, requested: str) -> None:
         from ..events.mirror import KeyMirror
 
+        if requested != ROUNDS:
+            raise ValueError("key_events needs lookups in rounds (strategy 'rounds'): a one-shot lookup asks "
+                             "every key of the master anyway")
+        if self.strategy != ROUNDS:  # rounds are not exact here (partial hash hits, some EAGLE hybrids)
+            logger.warning("key_events is not used: this deployment's lookups ask one-shot (rounds are not exact "
+                           "with partial hash hits or this EAGLE hybrid), and every key of them at the master")
+            return
         if isinstance(key_events, KeyMirror):
             self.mirror = key_events
             return
-        if not self.strategy == ROUNDS:
-            raise ValueError("key_events needs lookups in rounds (strategy 'rounds' on a deployment where they are "
-                             "exact): a one-shot lookup asks every key of the master anyway")
         self.mirror = KeyMirror(key_events, prefixes=[p for ps in self.deployment.prefixes for p in ps])
         self._own_mirror = True
 
