@@ -130,9 +130,10 @@ def test_a_miss_asks_nothing_a_hit_asks_its_own_keys_once_and_they_are_leased(im
         other = engine(mk.RecordingStore(), model + "-other", None).candidate_keys(64 * 16, hashes_of("other", 64))
         put(newest_store, other)
         published = http_json(newest_master.http_address + "/kv_events/status")["published_batches"]
-        wait_for(lambda: e.mirror.stats().messages >= before.messages + len(other), 30,
+        wait_for(lambda: e.mirror.stats().events_seen >= before.events_seen + len(other), 30,
                  what=f"the other keys' events ({before}, {e.mirror.stats()}, {published} published)")
         assert e.mirror.stats().keys == 600 and e.mirror.stats().events == before.events
+        assert e.mirror.stats().messages > before.messages  # (a batch of puts can come in fewer messages)
     finally:
         e.close()
 

@@ -127,8 +127,10 @@ class MirrorStats:
     state: str
     #: Keys held now (0 unless complete).
     keys: int
-    #: Event messages received, and the events of this deployment's keys applied.
+    #: Event messages received (a batch put's events come in one), every event they held (any
+    #: deployment's), and the events of this deployment's keys applied.
     messages: int
+    events_seen: int
     events: int
     #: Times the mirror was dropped (a gap, a reconnect, a restart or failover, events off, ...).
     gaps: int
@@ -184,7 +186,7 @@ class KeyMirror:
         self._applied = 0  # events applied since the start (a mark for forget)
         self._recent: Deque[Tuple[int, int]] = collections.deque(maxlen=RECENT_EVENTS)
         self._state, self._reason = "building", ""
-        self._counts = {"messages": 0, "events": 0, "gaps": 0, "rebuilds": 0, "forgotten": 0}
+        self._counts = {"messages": 0, "events_seen": 0, "events": 0, "gaps": 0, "rebuilds": 0, "forgotten": 0}
         self._logged: Optional[str] = None
         self._segments: Optional[frozenset] = None  # the master's segments at the last snapshot
         self._dropped_at = time.monotonic()
@@ -332,6 +334,7 @@ class KeyMirror:
                     if i != leader:
                         raise _Drop(f"another master publishes ({self.sources[i].endpoint}): a failover")
                     seq, events = decode(frames, self._unpackb)
+                    self._counts["events_seen"] += len(events)
                     if last_seq is None:
                         if seq > first_max:
                             raise _Drop(f"messages {first_max}-{seq - 1} were missed while the snapshot was read")

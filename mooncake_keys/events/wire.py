@@ -6,7 +6,7 @@ A message is three ZMQ frames: a topic (empty), the sequence number as a big-end
 ``[timestamp_ms, [event, ...], dp_rank]``. An event is a map; what a mirror reads of it is
 ``object_key`` (the whole key) and ``event_type`` (``"stored"`` or ``"removed"``; the older
 ``type``, ``"BlockStored"`` / ``"BlockRemoved"``, where it is missing). Measured on 0.3.14: one
-event per message for a ``put``, several for a batch put; a put of a key that exists, an
+event per message while they come slowly, several together when they come fast; a put of a key that exists, an
 eviction and the end of the segment holding a key publish nothing.
 """
 
