@@ -16,7 +16,8 @@ extra) and becomes the engine's observer: every lookup updates them. Sizes in to
 * ``mooncake_keys_lookups_without_call_total`` and ``..._lookup_mirror_keys_total``: lookups the
   key-event mirror answered with no store call (misses), and keys it answered;
 * the key-event mirror's state (``key_events``; absent without one): ``..._key_event_messages_total``
-  (messages received), ``..._key_events_seen_total`` (every event in them), ``..._key_events_total`` (events of this deployment's keys applied),
+  (messages received), ``..._key_events_seen_total`` (every event in them),
+  ``..._key_events_total`` (events of this deployment's keys applied),
   ``..._key_event_gaps_total`` (times the mirror was dropped: a gap, a reconnect, a restart or
   failover, events off, ...), ``..._key_mirror_rebuilds_total`` (snapshots loaded), and the
   gauges ``..._key_mirror_keys`` (keys held) and ``..._key_mirror_complete`` (1 while it answers).

@@ -325,10 +325,12 @@ def format_leases(out: Dict[str, Any]) -> str:
     fields = ["path", "requests", "answered", "hit", "calls", "keys", "leases", "loaded", "distinct"]
     lines.append(text_table(cols, [[r[f] for f in fields] for r in out["burst"]]))
     c = out["churn"]
-    lines.append(f"\nChurn ({c['seconds']} s, saves evicting, a master restart): {c['lookups']} lookups, {c['hits']} hits, "
+    lines.append(f"\nChurn ({c['seconds']} s, saves evicting, a master restart): {c['lookups']} lookups, "
+                 f"{c['hits']} hits, "
                  f"{c['checked']} checked against a one-shot right after, {c['violations']} above it; "
                  f"{c['spanning_a_restart']} spanned the restart (not checked); lease misses {c['lease_misses']}; "
-                 f"mirror gaps {c['mirror']['gaps']}, rebuilds {c['mirror']['rebuilds']}, forgotten {c['mirror']['forgotten']}")
+                 f"mirror gaps {c['mirror']['gaps']}, rebuilds {c['mirror']['rebuilds']}, "
+                 f"forgotten {c['mirror']['forgotten']}")
     lines.append(f"Mirror memory: {out['mirror_bytes_per_key']} bytes per key "
                  f"({out['mirror_bytes_per_key'] * 1e6 / 2**20:.0f} MiB per million keys)")
     return "\n".join(lines)

@@ -539,6 +539,7 @@ class KeyMirror:
         except OSError:
             return
         if segments != self._segments:
-            added, gone = len(segments - (self._segments or frozenset())), len((self._segments or frozenset()) - segments)
+            known = self._segments or frozenset()
+            added, gone = len(segments - known), len(known - segments)
             raise _Drop(f"the master's segments changed ({added} mounted, {gone} gone: keys come and go with them "
                         "without events)")

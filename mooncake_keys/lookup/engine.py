@@ -594,8 +594,8 @@ class LookupEngine(DeploymentViews):
                     # batch_is_exist leases what it finds: an existence call like any other, which
                     # a batch of lookups asks together (a shared prompt's keys once).
                     results = yield keys
-                flags = self._answered(results, [(len(seg.slots), len(seg.heads)) for seg in segments], len(keys), tally,
-                                       lease=True)
+                sizes = [(len(seg.slots), len(seg.heads)) for seg in segments]
+                flags = self._answered(results, sizes, len(keys), tally, lease=True)
                 if flags is None:
                     return None
                 if all(f.find(0) < 0 for f in flags):

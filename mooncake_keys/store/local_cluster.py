@@ -72,8 +72,8 @@ class LocalCluster:
         endpoints = f"{HOST}:{self.etcd_port}"
         # Their log paths are set at start, in the log directory.
         self.masters: List[LocalMaster] = [
-            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints, ready_timeout=ready_timeout,
-                        executable=executable, kv_events=kv_events)
+            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints,
+                        ready_timeout=ready_timeout, executable=executable, kv_events=kv_events)
             for _ in range(masters)
         ]
 

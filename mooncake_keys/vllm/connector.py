@@ -110,8 +110,8 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
                      type(exc).__name__, exc)
             self._append(FALLBACK, fallback_row(f"in the scheduler: {type(exc).__name__}: {exc}"))
             return
-        engine = LookupEngine.for_deployment(deployment, store=RecordedStore(store, self._record), strategy=self._strategy,
-                                             key_events=key_events_of(vllm_config))
+        engine = LookupEngine.for_deployment(deployment, store=RecordedStore(store, self._record),
+                                             strategy=self._strategy, key_events=key_events_of(vllm_config))
         engine.observer = recorder(self._append, "scheduler")
         path = handshake_path(vllm_config)
         sched.client = SchedulerLookupClient(sched.client, engine, store,

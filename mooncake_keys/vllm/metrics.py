@@ -26,7 +26,8 @@ and meanings are :mod:`mooncake_keys.metrics`' table, shared with ``LookupMetric
   Mooncake 0.3.14's lease-free probes or key events: exactly the keys the hits load);
 * ``vllm:mooncake_keys_lookups_without_call_total{side}`` and ``..._lookup_mirror_keys_total{side}``:
   lookups the key-event mirror answered with no store call, and keys it answered;
-* with ``"key_events"`` configured, the mirror's state: ``vllm:mooncake_keys_key_event_messages_total``, ``..._key_events_seen_total``,
+* with ``"key_events"`` configured, the mirror's state: ``vllm:mooncake_keys_key_event_messages_total``,
+  ``..._key_events_seen_total``,
   ``..._key_events_total``, ``..._key_event_gaps_total``, ``..._key_mirror_rebuilds_total``
   (``{side}``) and the gauges ``..._key_mirror_keys`` and ``..._key_mirror_complete``;
 * ``vllm:mooncake_keys_fallback_info{reason}``: 1 for each reason vLLM's own lookup was kept;

@@ -343,7 +343,8 @@ def test_with_key_events_a_miss_asks_nothing_and_a_hit_its_keys_once(events_mast
     master's events; its answers are rank 0's (over ZMQ) and vLLM's own, a miss makes no store
     call, a hit one (vLLM's lookup_exists rows count them), and the mirror's state is on the rows."""
     config = tmp_path / "mooncake.json"
-    config.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "master_server_address": events_master.master_address,
+    config.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE",
+                                  "master_server_address": events_master.master_address,
                                   "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
                                   "local_buffer_size": 16 << 20}))
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))

@@ -5,9 +5,10 @@ client holding a segment (``etcd://``); two lookup engines ask, one through that
 through a lookup-only client (which follows the leader itself). The leader is SIGKILLed while
 both engines keep looking up every 20 ms. Printed as JSON: the latency of every lookup during
 the failover, when hits came back, and whether every prompt saved before still hits in full,
-loads byte-identical, and new saves work. With ``MK_KEY_EVENTS=1`` (a 0.3.14 cluster) every
-master publishes its key events and a third engine answers from a key-event mirror of both:
-dropped at the failover, built again from the new leader.
+loads byte-identical, and new saves work. With ``MK_KEY_EVENTS=1`` every master is started to
+publish its key events (0.3.14's do; 0.3.13.post1's accept the flags and publish nothing) and a
+third engine answers from a key-event mirror of both: dropped at the failover, built again from
+the new leader.
 
 The process ends with ``os._exit``: closing a client set up with ``etcd://`` waits out the
 client's 30 s etcd watch (docs/mooncake.md), and nothing here needs a clean close.
@@ -65,7 +66,8 @@ def main() -> None:
             engines["mirror"] = mk.LookupEngine("ha-model", GROUPS, LAYOUT, hash_block_size=16, store=lookup_only,
                                                 key_events=sources)
             deadline = time.monotonic() + 15
-            while not engines["mirror"].mirror.ready and time.monotonic() < deadline:
+            mirror = engines["mirror"].mirror
+            while not mirror.ready and mirror.stats().state != "events off" and time.monotonic() < deadline:
                 time.sleep(0.01)
         prompts = [[rng.randbytes(32) for _ in range(CHUNKS)] for _ in range(PROMPTS)]
         tokens = CHUNKS * 16
@@ -77,7 +79,8 @@ def main() -> None:
         if events:  # the mirror has every saved key before the lookups start
             want = PROMPTS * CHUNKS * 2
             deadline = time.monotonic() + 10
-            while engines["mirror"].mirror.stats().keys < want and time.monotonic() < deadline:
+            while engines["mirror"].mirror.ready and engines["mirror"].mirror.stats().keys < want \
+                    and time.monotonic() < deadline:
                 time.sleep(0.01)
             out["mirror_before"] = engines["mirror"].mirror.stats().__dict__
             out["mirror_calls_before"] = engines["mirror"].stats().store_calls
