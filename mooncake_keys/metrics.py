@@ -10,7 +10,17 @@ extra) and becomes the engine's observer: every lookup updates them. Sizes in to
 * ``mooncake_keys_lookup_keys_total``, ``..._calls_total``, ``..._present_keys_total``: keys asked,
   store calls, keys found present (on Mooncake, read leases taken);
 * ``mooncake_keys_lookup_seconds``: lookup latency (histogram);
-* ``mooncake_keys_store_unavailable_seconds_total``: time the store could not be asked.
+* ``mooncake_keys_store_unavailable_seconds_total``: time the store could not be asked;
+* ``mooncake_keys_lookup_leased_keys_total``: read leases the lookups took (with Mooncake 0.3.14's
+  lease-free probes or the key-event mirror: exactly the keys the hits load);
+* ``mooncake_keys_lookups_without_call_total`` and ``..._lookup_mirror_keys_total``: lookups the
+  key-event mirror answered with no store call (misses), and keys it answered;
+* the key-event mirror's state (``key_events``; absent without one): ``..._key_event_messages_total``
+  (messages received), ``..._key_events_seen_total`` (every event in them),
+  ``..._key_events_total`` (events of this deployment's keys applied),
+  ``..._key_event_gaps_total`` (times the mirror was dropped: a gap, a reconnect, a restart or
+  failover, events off, ...), ``..._key_mirror_rebuilds_total`` (snapshots loaded), and the
+  gauges ``..._key_mirror_keys`` (keys held) and ``..._key_mirror_complete`` (1 while it answers).
 
 Extra ``labels`` (e.g. ``{"deployment": "llama-70b"}``) tell engines apart in one registry.
 """
@@ -21,7 +31,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from .lookup.engine import LookupEngine, LookupRecord
 
-__all__ = ["LookupMetrics", "LATENCY_BUCKETS", "COUNTERS", "LOOKUPS_DOC", "LATENCY_DOC"]
+__all__ = ["LookupMetrics", "LATENCY_BUCKETS", "COUNTERS", "LOOKUPS_DOC", "LATENCY_DOC", "MIRROR_COUNTERS",
+           "MIRROR_GAUGES"]
 
 # The one owner of the lookup metrics' names and meanings: LookupMetrics registers them as
 # "mooncake_keys_<name>", the drop-in (mooncake_keys.vllm.metrics) as "vllm:mooncake_keys_<name>"
@@ -35,6 +46,25 @@ COUNTERS: Tuple[Tuple[str, str, str], ...] = (
     ("lookup_calls", "Store calls (rounds) made by lookups.", "calls"),
     ("lookup_present_keys", "Keys found present by lookups (on Mooncake, read leases taken).", "present_keys"),
     ("store_unavailable_seconds", "Seconds the store could not be asked.", "unavailable_seconds"),
+    ("lookup_leased_keys", "Read leases taken by lookups (with lease-free probes or key events: exactly the keys "
+     "the hits load).", "leased_keys"),
+    ("lookups_without_call", "Lookups the key-event mirror answered with no store call.", "answered_without_call"),
+    ("lookup_mirror_keys", "Keys the key-event mirror answered instead of the store.", "mirror_keys"),
+)
+#: The key-event mirror's counters, from its ``MirrorStats`` (name, documentation, field); a
+#: lookup's record carries the mirror's totals, the metrics add what grew since the last one.
+MIRROR_COUNTERS: Tuple[Tuple[str, str, str], ...] = (
+    ("key_event_messages", "Key-event messages the mirror received.", "messages"),
+    ("key_events_seen", "Key events the mirror received (every deployment's, while complete).", "events_seen"),
+    ("key_events", "Key events of this deployment's keys the mirror applied.", "events"),
+    ("key_event_gaps", "Times the key-event mirror was dropped (a sequence gap, a reconnect, a master restart "
+     "or failover, events off, ...); lookups ask the master until it is built again.", "gaps"),
+    ("key_mirror_rebuilds", "Snapshots the key-event mirror loaded.", "rebuilds"),
+)
+#: Its gauges: (name, documentation, field).
+MIRROR_GAUGES: Tuple[Tuple[str, str, str], ...] = (
+    ("key_mirror_keys", "Keys the key-event mirror holds (0 while it is not complete).", "keys"),
+    ("key_mirror_complete", "1 while the key-event mirror is complete and answers lookups.", "complete"),
 )
 #: ``lookups{outcome}``, counted one per lookup.
 LOOKUPS_DOC = "Lookups by outcome (hit, miss, fault: a store call failed and the lookup answered 0)."
@@ -68,6 +98,11 @@ class LookupMetrics:
                           for name, doc, field in COUNTERS]
         self._latency = prom.Histogram(f"{prefix}_lookup_seconds", LATENCY_DOC, names,
                                        buckets=LATENCY_BUCKETS, **kw).labels(*values)
+        self._mirror_counters = [(prom.Counter(f"{prefix}_{name}", doc, names, **kw).labels(*values), field)
+                                 for name, doc, field in MIRROR_COUNTERS]
+        self._mirror_gauges = [(prom.Gauge(f"{prefix}_{name}", doc, names, **kw).labels(*values), field)
+                               for name, doc, field in MIRROR_GAUGES]
+        self._mirror_seen: Dict[str, int] = {}
         self._values = values
         self.engine = engine
         engine.observer = self.observe
@@ -80,3 +115,20 @@ class LookupMetrics:
             if value > 0:
                 metric.inc(value)
         self._latency.observe(rec.seconds)
+        if rec.mirror is not None:
+            observe_mirror(rec.mirror, self._mirror_seen, self._mirror_counters, self._mirror_gauges)
+
+
+def observe_mirror(stats: Any, seen: Dict[str, int], counters: Any, gauges: Any) -> None:
+    """Add to each mirror counter what its total grew by since ``seen`` (updated), set the gauges.
+    ``counters``/``gauges``: (metric, field) pairs; ``stats`` has the fields (a ``MirrorStats``,
+    or a mapping)."""
+    get = stats.get if isinstance(stats, dict) else (lambda f, d=0: getattr(stats, f, d))
+    for metric, field in counters:
+        total = int(get(field, 0))
+        grown = total - seen.get(field, 0)
+        if grown > 0:
+            metric.inc(grown)
+        seen[field] = total
+    for metric, field in gauges:
+        metric.set(float(get(field, 0)))

@@ -239,6 +239,59 @@ engine_venv() {  # makes (once) and prints the venv that runs vLLM's engine on t
   echo "$dir"
 }
 
+# The newest Mooncake, 0.3.14, ships only as its CUDA 13 build. Its mooncake_master links no CUDA
+# and runs here (Debian's ibverbs-providers for libmlx5): the real-master tests run against it as
+# well as against the 0.3.13.post1 master the project venv has. Its Python client needs CUDA's
+# libcudart.so.13 (the registry's nvidia-cuda-runtime) and the GPU driver's libcuda.so.1, which
+# the tests stand in for on a CPU machine (tests/support/no_device_driver.py builds it here).
+MOONCAKE_NEWEST=0.3.14
+CUDART_VERSION=13.5.37
+
+mooncake_newest() {  # unpacks (once) the 0.3.14 wheel under the cache; prints its directory
+  local dir="$CACHE/mooncake-$MOONCAKE_NEWEST" wheel cudart
+  if ! ldconfig -p | grep -q 'libmlx5.so.1 '; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        ibverbs-providers >/dev/null
+    else
+      echo "warning: libmlx5.so.1 is missing (apt-get install ibverbs-providers): the $MOONCAKE_NEWEST master will not run" >&2
+    fi
+  fi
+  if [ ! -f "$dir/.mooncake_keys-ready" ]; then
+    mkdir -p "$CACHE/wheels"
+    wheel=$(ls "$CACHE"/wheels/mooncake_transfer_engine_cuda13-"$MOONCAKE_NEWEST"-*.whl 2>/dev/null | head -1)
+    if [ -z "$wheel" ]; then
+      "$PY" -m pip download "${PIP_FLAGS[@]}" --no-deps "mooncake-transfer-engine-cuda13==$MOONCAKE_NEWEST" \
+        -d "$CACHE/wheels" >&2
+      wheel=$(ls "$CACHE"/wheels/mooncake_transfer_engine_cuda13-"$MOONCAKE_NEWEST"-*.whl | head -1)
+    fi
+    cudart=$(ls "$CACHE"/wheels/nvidia_cuda_runtime-"$CUDART_VERSION"-*.whl 2>/dev/null | head -1)
+    if [ -z "$cudart" ]; then
+      "$PY" -m pip download "${PIP_FLAGS[@]}" --no-deps "nvidia-cuda-runtime==$CUDART_VERSION" -d "$CACHE/wheels" >&2
+      cudart=$(ls "$CACHE"/wheels/nvidia_cuda_runtime-"$CUDART_VERSION"-*.whl | head -1)
+    fi
+    rm -rf "$dir" && mkdir -p "$dir/cuda"
+    # The package (its GPU kernels' JIT sources stay packed) and CUDA's runtime library alone.
+    "$PY" - "$wheel" "$cudart" "$dir" <<'EOF'
+import os, shutil, sys, zipfile
+wheel, cudart, out = sys.argv[1:]
+with zipfile.ZipFile(wheel) as zf:
+    zf.extractall(out, [n for n in zf.namelist() if "_jit/" not in n])
+with zipfile.ZipFile(cudart) as zf, zf.open("nvidia/cu13/lib/libcudart.so.13") as src, \
+        open(os.path.join(out, "cuda", "libcudart.so.13"), "wb") as dst:
+    shutil.copyfileobj(src, dst)
+for name in ("mooncake/mooncake_master", "mooncake/mooncake_client"):
+    os.chmod(os.path.join(out, name), 0o755)
+EOF
+    "$dir/mooncake/mooncake_master" --version >/dev/null \
+      || { echo "error: the Mooncake $MOONCAKE_NEWEST master does not run from $dir" >&2; return 1; }
+    touch "$dir/.mooncake_keys-ready"
+  fi
+  # The stand-in for the GPU driver's libcuda.so.1 ("no device" to every call), built from source.
+  "$PY" tests/support/no_device_driver.py "$dir" >&2
+  echo "$dir"
+}
+
 # Every process the suite starts inherits this tag; the leftover check counts only those, not a
 # mooncake_master or etcd another job on the machine runs.
 SUITE_TAG_GIVEN=${MOONCAKE_KEYS_SUITE_TAG:-}
@@ -295,6 +348,7 @@ test_against_vllm() {  # $1: the deps venv's python, $2: a version, $3: the dist
 cmd_test() {
   install_system
   install_python mooncake,test 1
+  MK_MOONCAKE_NEWEST=$(mooncake_newest); export MK_MOONCAKE_NEWEST  # the 0.3.14 master (and client) beside
   echo "== 1/3: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
   MK_REQUIRE_REAL=1 run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm --ignore=tests/engine
@@ -364,7 +418,7 @@ case "${1:-}" in
   test) shift; cmd_test "$@" ;;
   demo) shift; cmd_demo "$@" ;;
   bench) shift; cmd_bench "$@" ;;
-  install) install_system; install_python mooncake,test,bench ;;
+  install) install_system; install_python mooncake,test,bench; mooncake_newest >/dev/null ;;
   vllm) install_python mooncake,test; vllm_deps_venv >/dev/null
         for r in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do vllm_release "$r"; done
         engine_venv >/dev/null ;;

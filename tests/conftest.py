@@ -15,7 +15,10 @@ import mooncake_keys  # noqa: E402
 from mooncake_keys.lookup import _core  # noqa: E402
 
 try:
-    from support.mooncake_fixtures import clean_mooncake_store, mooncake_master, mooncake_store  # noqa: F401,E402
+    from support.mooncake_fixtures import (  # noqa: F401,E402
+        clean_mooncake_store, each_master_store, master_version, mooncake_master, mooncake_store, newest_master,
+        newest_store,
+    )
 except ImportError:  # the Mooncake I/O modules are optional
     pass
 
@@ -37,6 +40,11 @@ def pytest_configure(config):
     missing = [name for name in ("mooncake.store", "torch", "numpy", "hypothesis", "matplotlib", "prometheus_client")
                if _find_spec(name) is None]
     missing += [f"{exe} (executable)" for exe in ("etcd",) if shutil.which(exe) is None]
+    missing += [name for name in ("zmq", "msgpack") if _find_spec(name) is None]
+    from support.mooncake_fixtures import NEWEST, newest_dir
+
+    if newest_dir() is None:
+        missing.append(f"Mooncake {NEWEST} (unpacked by 'bash scripts/dev.sh install', named in MK_MOONCAKE_NEWEST)")
     if missing:
         raise pytest.UsageError(f"MK_REQUIRE_REAL=1 but these are missing: {', '.join(missing)}")
 

@@ -233,7 +233,7 @@ def test_stats_count_lookups_calls_failures_keys_and_hits(impl, recording_store)
     f = make(mk.RecordingStore(fault=ConnectionError("master unreachable")))
     f.lookup(64, HS)
     assert e.stats() == mk.LookupStats(lookups=2, store_calls=1, store_failures=0, keys_sent=4, hit_tokens=32,
-                                       hits=1, present_keys=3, tokens_asked=128)
+                                       hits=1, present_keys=3, tokens_asked=128, leased_keys=3)
     down = f.stats()
     assert down.unavailable_seconds > 0  # the store has been unavailable since the failed call
     assert dataclasses.replace(down, unavailable_seconds=0.0) == mk.LookupStats(

@@ -1,5 +1,6 @@
 """A Mooncake master failover survived, nothing lost: real etcd and HA masters (the driver runs
-in its own process: see tests/support/failover_driver.py)."""
+in its own process: see tests/support/failover_driver.py), of each release: 0.3.13.post1's and
+0.3.14's (with its HA reattach fix, Mooncake#3743), the client the installed 0.3.13.post1."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from support.mooncake_fixtures import MASTERS, NEWEST, master_executable
+
 pytest.importorskip("mooncake.store")
 pytest.importorskip("torch")
 pytestmark = pytest.mark.mooncake
@@ -19,14 +22,17 @@ pytestmark = pytest.mark.mooncake
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def failover():
+@pytest.fixture(scope="module", params=MASTERS)
+def failover(request):
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    exe = master_executable(request.param) or ""
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "support" / "failover_driver.py")], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MC_LOG_LEVEL="ERROR"))
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MC_LOG_LEVEL="ERROR",
+                                                          MK_MASTER_EXECUTABLE=exe,
+                                                          MK_KEY_EVENTS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]), master=request.param)
 
 
 def test_every_prompt_hits_before(failover):
@@ -55,3 +61,20 @@ def test_the_standby_takes_over_and_nothing_is_lost(failover):
 def test_saves_resume(failover):
     assert failover["saves_after"]
     assert set(failover["new_prompt_hit"].values()) == {128}
+
+
+def test_the_key_event_mirror_is_dropped_and_built_again_from_the_new_leader(failover):
+    """0.3.14's masters publish key events: the third engine's mirror answered every lookup
+    before (a hit verified in one call), was dropped at the kill, rebuilt from the new leader's
+    snapshot (the oplog kept every key), and answers a miss with no call again. 0.3.13.post1's
+    publish nothing: that engine's mirror says so, and it asks the master (the other tests hold
+    its hits to the others')."""
+    before, after = failover["mirror_before"], failover["mirror_after"]
+    if failover["master"] != NEWEST:
+        assert before["state"] == after["state"] == "events off"
+        assert failover["mirror_miss_calls"] == [0, 1]  # a miss: asked of the master
+        return
+    assert before["state"] == "complete" and before["keys"] == 12 * 8 * 2
+    assert after["state"] == "complete" and after["gaps"] >= 1 and after["rebuilds"] >= 2
+    assert after["keys"] >= before["keys"]
+    assert failover["mirror_miss_calls"] == [0, 0]  # a miss: no master call

@@ -26,6 +26,7 @@ from mooncake_keys.store.local_master import LocalMaster, LocalMasterError  # no
 from mooncake_keys.store.mooncake import MooncakeStore, MooncakeStoreUnavailable  # noqa: E402
 from mooncake_keys.store.process import listening_sockets  # noqa: E402
 from support.child import gone, wait_gone  # noqa: E402
+from support.mooncake_fixtures import MASTERS, master_executable  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,10 +116,12 @@ def test_what_the_embedded_default_listens_on(own_master):
 
 
 # ------------------------------------------------------------------ the first calls after a death
-def test_no_call_waits_for_the_client_after_the_master_dies(tmp_path):
+@pytest.mark.parametrize("version", MASTERS)
+def test_no_call_waits_for_the_client_after_the_master_dies(tmp_path, version):
     """The raw client stalls ~4.3 s in a call that meets a dead master, the very first ones
-    included; every lookup call here answers or refuses within the time limit."""
-    with LocalMaster(log_path=tmp_path / "m.log") as master:
+    included; every lookup call here answers or refuses within the time limit (each release's
+    master)."""
+    with LocalMaster(log_path=tmp_path / "m.log", executable=master_executable(version)) as master:
         store = MooncakeStore.connect(master.master_address, probe_interval_s=5.0)  # a slow probe
         try:
             assert store.batch_is_exist(["k"]) == [0]

@@ -28,6 +28,7 @@ pytest.importorskip("mooncake.store")
 pytestmark = pytest.mark.mooncake  # fixtures mooncake_master / mooncake_store come from conftest.py
 
 from mooncake_keys.store.local_master import LocalMaster, LocalMasterError, free_port as _free_port  # noqa: E402
+from support.mooncake_fixtures import MASTERS, NEWEST, master_executable  # noqa: E402
 from mooncake_keys.store.config import MooncakeStoreConfig, parse_size  # noqa: E402
 from mooncake_keys.store.keycheck import check_keys  # noqa: E402
 from mooncake_keys.store.mooncake import (  # noqa: E402
@@ -153,9 +154,13 @@ def test_config_from_env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
         MooncakeStore.from_config()
 
 
+@pytest.mark.parametrize("master_version", MASTERS, indirect=True)
 def test_from_config_lookup_only_client_sees_holder_keys(
-    mooncake_master: LocalMaster, mooncake_store: MooncakeStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    master_version: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    new = master_version == NEWEST
+    mooncake_master = request.getfixturevalue("newest_master" if new else "mooncake_master")
+    mooncake_store = request.getfixturevalue("newest_store" if new else "mooncake_store")
     key = _prefix() + "held"
     assert mooncake_store.put(key, b"value") == 0
     path = tmp_path / "mooncake.json"
@@ -232,8 +237,8 @@ def test_bad_keys_raise_before_rpc(mooncake_store: MooncakeStore, monkeypatch: p
     assert mooncake_store.batch_is_exist(["still-works"]) == [0]
 
 
-def test_zero_copy_batch_put_and_get(clean_mooncake_store: MooncakeStore) -> None:
-    store = clean_mooncake_store
+def test_zero_copy_batch_put_and_get(each_master_store: MooncakeStore) -> None:
+    store = each_master_store
     size, n = 4096, 3
     src, dst = ctypes.create_string_buffer(size * n), ctypes.create_string_buffer(size * n)
     for i in range(n):
@@ -411,9 +416,11 @@ def test_local_master_reports_missing_libibverbs(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- faults (own master)
 
 
-@pytest.fixture(scope="module")
-def fault_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMaster]:
-    with LocalMaster(log_path=tmp_path_factory.mktemp("mooncake-fault") / "master.log") as master:
+@pytest.fixture(scope="module", params=MASTERS)
+def fault_master(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMaster]:
+    """Each release's master in turn (0.3.13.post1, 0.3.14), with the installed client."""
+    with LocalMaster(log_path=tmp_path_factory.mktemp("mooncake-fault") / "master.log",
+                     executable=master_executable(request.param)) as master:
         yield master
 
 

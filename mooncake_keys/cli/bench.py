@@ -51,6 +51,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="instead: the asynchronous in-scheduler lookup held for a long stream of requests with "
                              "aborts and resets, on a real master (vLLM 0.32 or 0.33): answers, duplicates, tables "
                              "and memory; 20,000 requests, a few minutes (--quick: 2,000); exit 1 if a bound fails")
+    parser.add_argument("--leases", action="store_true",
+                        help="instead: read leases and key events on a real Mooncake 0.3.14 master (calls, keys "
+                             "and leases per lookup at 0/10/50/100 %% stored, a burst, churn; "
+                             "mooncake_keys.bench.leases); about a minute")
+    parser.add_argument("--master-binary", metavar="PATH",
+                        help="with --leases: the mooncake_master to run (a 0.3.14 one; default: the installed)")
 
 
 #: The options of the standard run that mean nothing to the engine benchmark.
@@ -62,6 +68,15 @@ def main(args: argparse.Namespace) -> int:
         return _soak(args)
     if args.engine:
         return _engine(args)
+    if args.leases:
+        from ..bench.leases import format_leases, run_leases
+
+        print(format_leases(run_leases(args.master_binary, quick=args.quick,
+                                       progress=lambda m: print(f".. {m}", file=sys.stderr, flush=True))))
+        return 0
+    if args.master_binary:
+        print("error: --master-binary is the master of --leases", file=sys.stderr)
+        return 2
     if args.engine_plot:
         print("error: --engine-plot is the plot of --engine", file=sys.stderr)
         return 2

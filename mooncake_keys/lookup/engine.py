@@ -19,6 +19,13 @@ A lookup (vLLM's ``MooncakeStoreWorker.lookup``, as the chosen vLLM release has 
 The store-fault policy is :class:`~.store_calls.StoreCalls`' (every call goes through
 :meth:`LookupEngine.call_store`): whatever the store does, the lookup answers 0 with one warning
 line on the ``mooncake_keys.lookup`` logger (a child of ``mooncake_keys``).
+
+**Leases = keys loaded.** With a store that probes without leases (``store.lease_probes()``:
+Mooncake 0.3.14's ``batch_probe_key``, client and master), or with answers from a key-event
+mirror (``key_events``, :mod:`mooncake_keys.events`), a lookup in rounds ends with one call that
+leases exactly the keys its hit loads, all or none (:meth:`LookupEngine.call_lease`); a key gone
+by then makes the lookup go on without it and lease again (:mod:`.rounds`). A miss answered by
+the mirror asks the master nothing; a hit it answers is verified by that lease call.
 """
 
 from __future__ import annotations
@@ -38,15 +45,23 @@ from .explain import Explanation, explain
 from .hashes import BlockHashes, as_block_hashes
 from .keycache import DEFAULT_KEY_CACHE_BYTES, DEFAULT_SPARE_BYTES, KeyCache, key_bytes
 from .layout import ParallelLayout
-from .rounds import ALL, MIN_KEYS as ROUNDS_MIN_KEYS, Rounds
+from .rounds import ALL, MIN_KEYS as ROUNDS_MIN_KEYS, Rounds, Segment
 from .store_calls import StoreCalls
 
 __all__ = ["LookupEngine", "LookupRecord", "LookupResult", "LookupStats", "STRATEGIES", "TailKeyBoundary"]
 
 #: How a lookup asks the store: every key in one call (vLLM's way), or in rounds (.rounds).
 STRATEGIES = ONESHOT, ROUNDS = ("oneshot", "rounds")
+#: How a short lookup asks a store without leases: every key in the first round, then its lease.
+EVERYTHING_FIRST = "everything first"
 
 logger = logging.getLogger("mooncake_keys.lookup")
+
+#: ``batch_probe_key`` policy of the lease call: the last (here the only) candidate group of keys
+#: that all exist is leased (Mooncake 0.3.14).
+LAST_HIT_ONLY = "LastHitOnly"
+#: Lease calls one lookup may make before it gives up (each found a key of its hit gone).
+MAX_LEASE_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,16 @@ class LookupStats:
     tokens_asked: int = 0
     #: Seconds from a failed store call to the next answered one (to now while it lasts).
     unavailable_seconds: float = 0.0
+    #: Read leases the lookups took: the keys ``batch_is_exist`` answered present, plus those the
+    #: lease calls leased (with lease-free probes or the key-event mirror, exactly the keys the
+    #: hits load).
+    leased_keys: int = 0
+    #: Lease calls that found a key of the hit gone (the lookup went on without it).
+    lease_misses: int = 0
+    #: Keys the key-event mirror answered instead of the master, and lookups it answered with no
+    #: store call at all (misses).
+    mirror_keys: int = 0
+    answered_without_call: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,13 @@ class LookupRecord:
     #: Seconds the store has been unavailable since the last record (summed over records,
     #: :attr:`LookupStats.unavailable_seconds` up to this lookup).
     unavailable_seconds: float = 0.0
+    #: Read leases this lookup took (see :attr:`LookupStats.leased_keys`).
+    leased_keys: int = 0
+    #: Keys the key-event mirror answered, and 1 when it answered the lookup with no store call.
+    mirror_keys: int = 0
+    answered_without_call: int = 0
+    #: The key-event mirror's state at this lookup (``mooncake_keys.events.MirrorStats``), or None.
+    mirror: Any = None
 
 
 #: What a lookup step by step returns: (hit, number of hashes, per-group presence).
@@ -140,6 +172,15 @@ class LookupEngine(DeploymentViews):
     key in one call. ``"oneshot"`` always does, as vLLM does. ``key_cache_bytes`` bounds the
     memoised keys of repeated requests and ``spare_key_bytes`` the strings kept for reuse (0
     turns either off; see :mod:`mooncake_keys.lookup.keycache`).
+
+    ``key_events``: the master's key events, mirrored (:mod:`mooncake_keys.events`; off by
+    default): a :class:`~mooncake_keys.events.KeyMirror` (used as it is), or where to read them
+    (``{"endpoint": "tcp://host:port", "http": "http://host:metrics_port"}``, or a list of those,
+    one per HA master): the engine then keeps a mirror of its own deployment's keys and closes
+    it with :meth:`close`. While the mirror is complete, lookups in rounds are answered from it:
+    a miss asks the master nothing, a hit is verified and leased in one call of exactly its
+    keys. A store with ``lease_probes()`` true (Mooncake 0.3.14, :class:`MooncakeStore`) is
+    asked without leases, and each hit leased so, too.
     """
 
     def __init__(
@@ -165,6 +206,7 @@ class LookupEngine(DeploymentViews):
         rounds_min_keys: int = ROUNDS_MIN_KEYS,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
+        key_events: Any = None,
     ) -> None:
         deployment = Deployment(
             model_name, groups, layout, hash_block_size=hash_block_size,
@@ -172,7 +214,7 @@ class LookupEngine(DeploymentViews):
             store_namespace=store_namespace, partial_hash_hits=partial_hash_hits, vllm_compat=vllm_compat,
             contract=contract, allow_ambiguous_names=allow_ambiguous_names, core=core,
         )
-        self._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes)
+        self._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes, key_events)
 
     @classmethod
     def for_deployment(
@@ -184,15 +226,16 @@ class LookupEngine(DeploymentViews):
         rounds_min_keys: int = ROUNDS_MIN_KEYS,
         key_cache_bytes: int = DEFAULT_KEY_CACHE_BYTES,
         spare_key_bytes: int = DEFAULT_SPARE_BYTES,
+        key_events: Any = None,
     ) -> "LookupEngine":
         """The engine of ``deployment``, asking ``store``, with the engine's own arguments (see
         the class docstring)."""
         engine = cls.__new__(cls)
-        engine._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes)
+        engine._start(deployment, store, strategy, rounds_min_keys, key_cache_bytes, spare_key_bytes, key_events)
         return engine
 
     def _start(self, deployment: Deployment, store: Any, strategy: str, rounds_min_keys: int,
-               key_cache_bytes: int, spare_key_bytes: int) -> None:
+               key_cache_bytes: int, spare_key_bytes: int, key_events: Any) -> None:
         if not isinstance(deployment, Deployment):
             raise TypeError(f"deployment must be a Deployment, got {type(deployment).__name__}")
         self._calls = StoreCalls(store, logger)  # the store-fault policy (TypeError: not a store)
@@ -215,10 +258,39 @@ class LookupEngine(DeploymentViews):
         # The namespaces per chunk when every group has the same number (one reduction), else 0.
         counts = {len(hs) for hs in heads}
         self._uniform_r = counts.pop() if len(counts) == 1 else 0
+        probes = getattr(store, "lease_probes", None)
+        # Whether the store asks without leases now (Mooncake 0.3.14: found out by the store).
+        self._lease_probes: Callable[[], bool] = probes if callable(probes) else (lambda: False)
         self._stats_lock = threading.Lock()
-        self._counts = [0] * 8  # LookupStats fields, in order, but the unavailable seconds
+        self._counts = [0] * 12  # LookupStats fields, in order, but the unavailable seconds
         #: Called with a :class:`LookupRecord` after every lookup (metrics); None: not.
         self.observer: Optional[Callable[[LookupRecord], None]] = None
+        #: The key-event mirror lookups are answered from (None: off), and whether it is ours.
+        self.mirror: Any = None
+        self._own_mirror = False
+        if key_events is not None:
+            self._start_mirror(key_events, strategy)
+
+    def _start_mirror(self, key_events: Any, requested: str) -> None:
+        from ..events.mirror import KeyMirror
+
+        if requested != ROUNDS:
+            raise ValueError("key_events needs lookups in rounds (strategy 'rounds'): a one-shot lookup asks "
+                             "every key of the master anyway")
+        if self.strategy != ROUNDS:  # rounds are not exact here (partial hash hits, some EAGLE hybrids)
+            logger.warning("key_events is not used: this deployment's lookups ask one-shot (rounds are not exact "
+                           "with partial hash hits or this EAGLE hybrid), and every key of them at the master")
+            return
+        if isinstance(key_events, KeyMirror):
+            self.mirror = key_events
+            return
+        self.mirror = KeyMirror(key_events, prefixes=[p for ps in self.deployment.prefixes for p in ps])
+        self._own_mirror = True
+
+    def close(self) -> None:
+        """Stop the key-event mirror the engine made (a given one is the giver's to close)."""
+        if self._own_mirror and self.mirror is not None:
+            self.mirror.close()
 
     @property
     def store(self) -> Any:
@@ -288,13 +360,32 @@ class LookupEngine(DeploymentViews):
 
     # --------------------------------------------------------------------------- the store
     def call_store(self, keys: List[str]) -> Optional[list]:
-        """One ``batch_is_exist`` of ``keys``: the answers, a list as long as ``keys``, or None.
+        """One existence call of ``keys``: the answers, a list as long as ``keys``, or None.
 
-        The store-fault policy (:class:`~.store_calls.StoreCalls`): an exception, an answer that
-        is not a list or tuple, or one of the wrong length gives None (the lookup answers 0) and
-        one warning line. Time from a failed call to the next answered one counts as the store
-        being unavailable.
+        The call is ``batch_is_exist`` (each present key takes a read lease on Mooncake), or,
+        when the store asks without leases (``store.lease_probes()``), ``batch_probe_key``:
+        the lookup then ends with :meth:`call_lease`. The store-fault policy (:class:`~.store_calls.StoreCalls`): an exception, an
+        answer that is not a list or tuple, or one of the wrong length gives None (the lookup
+        answers 0) and one warning line. Time from a failed call to the next answered one
+        counts as the store being unavailable.
         """
+        if self._lease_probes():
+            return self._calls.call(keys, "batch_probe_key", self.store.batch_probe_key)
+        return self._calls.call(keys)
+
+    def call_lease(self, keys: List[str]) -> Optional[list]:
+        """The lease call of a hit: ``keys`` (every key its load reads) leased all or none, and
+        per key whether it exists (1), or None (the fault policy of :meth:`call_store`). A
+        lookup makes it itself (it is its own: Mooncake leases one all-or-nothing set per call);
+        without lease-free probes the lease call is an existence call the lookup yields.
+
+        ``batch_probe_key(keys, "LastHitOnly", len(keys))`` where the store has lease-free
+        probes (one candidate of every key: leased exactly when all exist); else
+        ``batch_is_exist(keys)``, which leases the keys it finds (all of them when the hit
+        stands)."""
+        if self._lease_probes():
+            store = self.store
+            return self._calls.call(keys, "batch_probe_key", lambda k: store.batch_probe_key(k, LAST_HIT_ONLY, len(k)))
         return self._calls.call(keys)
 
     def _error_codes(self, answers: list, n: int) -> bool:
@@ -423,8 +514,8 @@ class LookupEngine(DeploymentViews):
         if mode == ONESHOT:
             keys = self._oneshot_keys(prepared)
             answer = self._oneshot_answer(prepared, keys, self.call_store(keys) if keys else None, tally)
-        elif mode == ROUNDS:
-            steps = self._in_rounds(prepared, tally)
+        elif mode is not None:
+            steps = self._in_rounds(prepared, tally, (), mode == EVERYTHING_FIRST)
             try:
                 keys = next(steps)
                 while True:
@@ -449,25 +540,37 @@ class LookupEngine(DeploymentViews):
         if mode == ONESHOT:
             keys = self._oneshot_keys(prepared)
             answer = self._oneshot_answer(prepared, keys, (yield keys) if keys else None, tally)
-        elif mode == ROUNDS:
-            answer = yield from self._in_rounds(prepared, tally, hints)
+        elif mode is not None:
+            answer = yield from self._in_rounds(prepared, tally, hints, mode == EVERYTHING_FIRST)
         self._finish(tally, answer, start)
         return answer
 
     def _begin(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any, rounds_min_keys: Optional[int] = None
                ) -> Tuple[float, List[int], Optional[Prepared], Optional[str]]:
         """A lookup's start: its clock, its tally (tokens asked, keys, calls, present keys,
-        failed calls, whether an error code ended the hit), its length, hashes and plan, and how it asks: ``ONESHOT``, ``ROUNDS`` or
-        None (nothing to ask and nothing presumed: no hit, as vLLM answers with no candidates)."""
+        failed calls, whether an error code ended the hit, leased keys, lease misses, keys the
+        mirror answered), its length, hashes and plan, and how it asks: ``ONESHOT``,
+        ``ROUNDS``, ``EVERYTHING_FIRST`` (a short lookup asked one-shot, without leases, then
+        leased) or None (nothing to ask and nothing presumed: no hit, as vLLM answers with no
+        candidates)."""
         start = time.perf_counter()
         prepared = self._prepare(num_tokens, block_hashes, skip_tokens)
-        tally = [num_tokens, 0, 0, 0, 0, False]
+        tally = [num_tokens, 0, 0, 0, 0, False, 0, 0, 0]
         mode = None
         if prepared is not None:
             n = prepared[3].num_keys
             if n or prepared[3].presumes_any:
                 least = self.rounds_min_keys if rounds_min_keys is None else rounds_min_keys
-                mode = ROUNDS if self.strategy == "rounds" and n >= least else ONESHOT
+                if self.strategy != ROUNDS:
+                    mode = ONESHOT
+                elif n >= least:
+                    mode = ROUNDS
+                elif self.mirror is not None and self.mirror.ready:
+                    mode = ROUNDS  # answered locally: rounds cost no trips
+                elif self._lease_probes():
+                    mode = EVERYTHING_FIRST  # one-shot, then the lease call of the hit
+                else:
+                    mode = ONESHOT
         return start, tally, prepared, mode
 
     def _oneshot_keys(self, prepared: Prepared) -> List[str]:
@@ -490,39 +593,96 @@ class LookupEngine(DeploymentViews):
             presence = plan.presence(b"")
         return self._hit(num_tokens, len(hashes), plan, presence), len(hashes), presence
 
-    def _in_rounds(self, prepared: Prepared, tally: List[int], hints: Sequence[int] = ()) -> Steps:
-        """The one-shot answer, asking only until the bounds of the hit meet (see .rounds)."""
+    def _in_rounds(self, prepared: Prepared, tally: List[Any], hints: Sequence[int] = (),
+                   ask_everything: bool = False) -> Steps:
+        """The one-shot answer, asking only until the bounds of the hit meet (see .rounds); the
+        rounds answered by the key-event mirror while it is complete, and the hit then leased
+        (and so verified) in one call of its keys, if a round was asked without leases."""
         num_tokens, _, hashes, plan, _ = prepared
         dep = self.deployment
-        heads = dep.heads
-        state = Rounds(dep, plan, hints)
+        state = Rounds(dep, plan, hints, ask_everything=ask_everything)
         n = len(hashes)
+        mirror = self.mirror
+        unleased = False  # a round was answered without leases: the hit must be leased
+        leases = 0
         while True:
             low = self._hit(num_tokens, n, plan, state.low)
             high = self._hit(num_tokens, n, plan, state.high)
             if low == high:
-                return low, n, state.low
+                if low == 0 or not (unleased or self._lease_probes()):
+                    return low, n, state.low
+                picked = state.loaded_slots(low, lambda p: self._hit(num_tokens, n, plan, p))
+                segments = [Segment(g, slots, state.heads[g], ALL) for g, slots in enumerate(picked) if len(slots)]
+                if not segments:  # the hit is held below skip_tokens: nothing to load, nothing to lease
+                    return low, n, state.low
+                keys = self._segment_keys(state, segments, hashes)
+                mark = mirror.mark() if mirror is not None else None
+                if self._lease_probes():
+                    results = self.call_lease(keys)  # LastHitOnly: this lookup's own all-or-nothing set
+                else:
+                    # batch_is_exist leases what it finds: an existence call like any other, which
+                    # a batch of lookups asks together (a shared prompt's keys once).
+                    results = yield keys
+                sizes = [(len(seg.slots), len(seg.heads)) for seg in segments]
+                flags = self._answered(results, sizes, len(keys), tally, lease=True)
+                if flags is None:
+                    return None
+                if all(f.find(0) < 0 for f in flags):
+                    return low, n, state.low  # every key the hit loads exists, and is leased
+                tally[7] += 1
+                leases += 1
+                if mirror is not None:  # what the mirror took for present and is not
+                    mirror.forget([k for k, r in zip(keys, results) if r != 1], mark)
+                if leases >= MAX_LEASE_CALLS:
+                    logger.warning("lookup answered 0: the keys of its hit kept vanishing (%d lease calls found "
+                                   "some gone)", leases)
+                    return None
+                if unleased and mirror is not None and tally[8]:
+                    # The mirror's other answers may be as stale: the rest is asked of the master.
+                    state = Rounds(dep, plan, hints)
+                    mirror = None
+                for seg, f in zip(segments, flags):
+                    state.learn(seg.group, seg.slots, f)
+                continue
             segments = state.next_round(low, high)
+            keys = self._segment_keys(state, segments, hashes)
             sizes = [(len(seg.slots), len(seg.heads)) for seg in segments]
-            keys: List[Any] = [None] * sum(c * r for c, r in sizes)
-            pos = 0
-            for seg in segments:
-                group_heads = heads[seg.group]
-                hs = group_heads if seg.mode == ALL else tuple(group_heads[h] for h in seg.heads)
-                index = state.groups[seg.group].index
-                slots = seg.slots
-                idx = index[slots.start:slots.stop] if isinstance(slots, range) else array("q", [index[s] for s in slots])
-                pos = dep.fill_keys(keys, pos, hs, hashes, idx)
-            results = yield keys
-            flags = self._answered(results, sizes, len(keys), tally)
+            answers = mirror.answer(keys) if mirror is not None else None
+            if answers is not None:  # the mirror is complete: no store call
+                flags = self._answered(answers, sizes, len(keys), tally, mirror=True)
+                unleased = True
+            else:
+                unleased = unleased or self._lease_probes()
+                results = yield keys
+                flags = self._answered(results, sizes, len(keys), tally)
             if flags is None:
                 return None
             state.record(segments, flags)
 
+    def _segment_keys(self, state: Rounds, segments: Sequence[Segment], hashes: BlockHashes) -> List[str]:
+        """The keys of ``segments``, in order (group, chunk, namespace)."""
+        dep = self.deployment
+        heads = dep.heads
+        keys: List[Any] = [None] * sum(len(seg.slots) * len(seg.heads) for seg in segments)
+        pos = 0
+        for seg in segments:
+            group_heads = heads[seg.group]
+            hs = group_heads if seg.mode == ALL else tuple(group_heads[h] for h in seg.heads)
+            index = state.groups[seg.group].index
+            slots = seg.slots
+            idx = index[slots.start:slots.stop] if isinstance(slots, range) else array("q", [index[s] for s in slots])
+            pos = dep.fill_keys(keys, pos, hs, hashes, idx)
+        return keys
+
     def _answered(self, results: Optional[list], pieces: Sequence[Tuple[int, int]], n: int,
-                  tally: List[int]) -> Optional[List[Any]]:
+                  tally: List[Any], *, lease: bool = False, mirror: bool = False) -> Optional[List[Any]]:
         """A call of ``n`` keys, its answers read (see :meth:`_read`) and counted; None for a
-        failed call."""
+        failed call. ``lease``: the lease call (its keys are leased when all exist);
+        ``mirror``: answers of the key-event mirror (no call)."""
+        if mirror:
+            tally[8] += n
+            read = self._read(results, pieces)
+            return None if read is None else read[0]
         tally[1] += n
         tally[2] += 1
         read = self._read(results, pieces) if results is not None else None
@@ -531,6 +691,11 @@ class LookupEngine(DeploymentViews):
             return None
         tally[3] += read[1]
         tally[5] |= read[2]
+        if lease:
+            probes = self._lease_probes()
+            tally[6] += (n if read[1] == n else 0) if probes else read[1]
+        elif not self._lease_probes():
+            tally[6] += read[1]  # batch_is_exist: each key found took a lease
         return read[0]
 
     def _hit(self, num_tokens: int, num_hashes: int, plan: LookupPlan, presence: List[bytearray]) -> int:
@@ -546,7 +711,8 @@ class LookupEngine(DeploymentViews):
     def _finish(self, tally: List[int], answer: Optional[Answer], start: float) -> None:
         """Count one lookup (and hand its record to :attr:`observer`, if any)."""
         hit = answer[0] if answer is not None else 0
-        tokens, keys, calls, present, failed, codes = tally
+        tokens, keys, calls, present, failed, codes, leased, lease_misses, mirror_keys = tally
+        without_call = int(mirror_keys > 0 and calls == 0)
         with self._stats_lock:
             c = self._counts
             c[0] += 1
@@ -557,14 +723,20 @@ class LookupEngine(DeploymentViews):
             c[5] += hit > 0
             c[6] += present
             c[7] += tokens
+            c[8] += leased
+            c[9] += lease_misses
+            c[10] += mirror_keys
+            c[11] += without_call
         observer = self.observer
         if observer is not None:
             outcome = "fault" if failed or codes else "hit" if hit else "miss"
+            mirror = self.mirror.stats() if self.mirror is not None else None
             observer(LookupRecord(tokens, hit, keys, calls, present, outcome, time.perf_counter() - start,
-                                  self._calls.take_unavailable()))
+                                  self._calls.take_unavailable(), leased, mirror_keys, without_call, mirror))
 
     def stats(self) -> LookupStats:
         """Counters since creation (see :class:`LookupStats`)."""
         with self._stats_lock:
-            counts = list(self._counts)
-        return LookupStats(*counts, unavailable_seconds=self._calls.unavailable_seconds())
+            c = list(self._counts)
+        return LookupStats(*c[:8], unavailable_seconds=self._calls.unavailable_seconds(), leased_keys=c[8],
+                           lease_misses=c[9], mirror_keys=c[10], answered_without_call=c[11])

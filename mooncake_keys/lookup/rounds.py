@@ -37,10 +37,18 @@ than :data:`MIN_KEYS` keys is asked one-shot: it has little to save, and a hit w
 extra round trips.
 
 *A store that changes between rounds*: every chunk counted present was present in every
-namespace when its round asked it. On Mooncake each key answered present is leased (10 s by
-default), so none of them can be removed or evicted before the lookup ends: the hit loads, and
-is at most the one-shot hit of the store as it is then (a chunk saved meanwhile may be missed).
-Without leases only the first holds (docs/mooncake.md, tests/test_rounds_under_change.py).
+namespace when its round asked it. On Mooncake 0.3.13 each key ``batch_is_exist`` answers
+present is leased (10 s by default), so none of them can be removed or evicted before the lookup
+ends: the hit loads, and is at most the one-shot hit of the store as it is then (a chunk saved
+meanwhile may be missed). Without leases only the first holds (docs/mooncake.md,
+tests/test_rounds_under_change.py).
+
+*Leases = keys loaded* (Mooncake 0.3.14, or answers from the key-event mirror): the rounds ask
+without leases, and the lookup ends with one call that leases exactly the keys its hit loads
+(:meth:`Rounds.loaded_slots`: every namespace of the chunks each group's load reads), all of
+them or none. If a key has gone by then, those chunks become known absent
+(:meth:`Rounds.learn`) and the rounds go on to the hit without them, then lease again; a hit
+is never answered with a key not leased.
 
 Rounds work in *slots*: the positions of a group's asked chunks in the lookup plan (under a
 lookup mask not every chunk is asked), so a round is a few slices of the plan's arrays.
@@ -51,12 +59,12 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from math import gcd
-from typing import Dict, List, NamedTuple, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple, Union
 
 from .deployment import Deployment, LookupPlan
 from .specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
-__all__ = ["Rounds", "RoundsGroup", "Segment", "MIN_KEYS", "PROBE_GAP_KEYS", "PROBE_GAP_FRACTION", "FIRST_ROUND_KEYS"]
+__all__ = ["Rounds", "RoundsGroup", "Segment", "HitOf", "MIN_KEYS", "PROBE_GAP_KEYS", "PROBE_GAP_FRACTION", "FIRST_ROUND_KEYS"]
 
 #: A lookup of fewer keys than this is asked one-shot. A round trip costs the master about as
 #: much as 100-200 keys (0.1-0.2 ms on loopback), so below ~2,000 keys the extra rounds of a hit
@@ -234,32 +242,36 @@ class _Group:
 class Rounds:
     """One lookup asked in rounds: what is known, and what to ask next (see the module doc)."""
 
-    def __init__(self, deployment: Deployment, plan: LookupPlan, hints: Sequence[int] = ()) -> None:
+    def __init__(self, deployment: Deployment, plan: LookupPlan, hints: Sequence[int] = (), *,
+                 ask_everything: bool = False) -> None:
         """``hints``: tokens where the stored prefix may well end (a batch of lookups knows
         where a request stops sharing its hashes with the others): the first round probes the
-        chunk holding each."""
+        chunk holding each. ``ask_everything``: the first round asks every key (a short lookup,
+        one-shot, that still ends with its lease call)."""
         coord = deployment.coordinator
         groups = [RoundsGroup(grp.spec, len(hs), g in coord.eagle_group_ids)
                   for g, (grp, hs) in enumerate(zip(deployment.store_groups, deployment.heads))]
-        self._start(groups, plan, coord.alignment, hints)
+        self._start(groups, plan, coord.alignment, hints, ask_everything)
 
     @classmethod
     def for_groups(cls, groups: Sequence["RoundsGroup"], plan: LookupPlan, alignment: int,
-                   hints: Sequence[int] = ()) -> "Rounds":
+                   hints: Sequence[int] = (), *, ask_everything: bool = False) -> "Rounds":
         """Rounds over ``plan`` for groups described directly (an engine other than vLLM's, whose
         deployment is not a :class:`Deployment`: SGLang's KV pages are one full-attention group
         with one namespace per object of a page); ``alignment`` in tokens, as the coordinator's."""
         rounds = cls.__new__(cls)
-        rounds._start(groups, plan, alignment, hints)
+        rounds._start(groups, plan, alignment, hints, ask_everything)
         return rounds
 
     def _start(self, groups: Sequence["RoundsGroup"], plan: LookupPlan, alignment: int,
-               hints: Sequence[int]) -> None:
+               hints: Sequence[int], ask_everything: bool) -> None:
         self.groups = [_Group(g, plan, grp.spec, grp.namespaces, grp.eagle, alignment)
                        for g, grp in enumerate(groups)]
         self.heads = [tuple(range(grp.namespaces)) for grp in groups]
+        self.plan = plan
         self.round = 0
         self.hints = tuple(hints)
+        self.ask_everything = ask_everything
 
     @property
     def low(self) -> List[bytearray]:
@@ -274,6 +286,8 @@ class Rounds:
         k = self.round
         self.round += 1
         out: List[Segment] = []
+        if k == 0 and self.ask_everything:
+            return [seg for grp in self.groups for seg in grp.everything(len(grp.known), self.heads[grp.g])]
         fulls = [grp for grp in self.groups if grp.kind == "full"]
         full_decided = all(grp.decided_below(grp.slot(high // grp.block_size + 1)) for grp in fulls)
         for grp in self.groups:
@@ -313,3 +327,70 @@ class Rounds:
         namespace the segment asked)."""
         for seg, f in zip(segments, flags):
             self.groups[seg.group].record(seg, f)
+
+    # ------------------------------------------------------------------ the lease call
+    def learn(self, group: int, slots: Slots, flags: bytes) -> None:
+        """What a call outside the rounds found (the lease call): per slot of ``group``, 1 when
+        present in every namespace, else known absent from now on."""
+        self.groups[group].record(Segment(group, slots, self.heads[group], ALL), flags)
+
+    def loaded_slots(self, hit: int, hit_of: "HitOf") -> List[Slots]:
+        """Per group, the slots whose keys the lease call asks for a hit of ``hit`` tokens: the
+        chunks a load of the hit reads (vLLM's load mask: full attention every chunk below the
+        hit, a sliding window its last window, a Mamba group the state at the hit, chunked local
+        attention the hit's attention chunk), without those below ``skip_tokens`` (the engine
+        holds them). ``hit_of(presence)`` is the engine's hit on per-group presence: the set
+        must give ``hit`` by itself, so that every key the answer depends on is leased; where
+        the load's chunks do not (an EAGLE hit rests on the chunk it drops), the chunk just past
+        the hit is added, and failing that every chunk known present."""
+        picked = [self._reads(grp, hit) for grp in self.groups]
+        if hit_of(self._presence(picked)) == hit:
+            return picked
+        past = [self._with_next(grp, slots, hit) for grp, slots in zip(self.groups, picked)]
+        if hit_of(self._presence(past)) == hit:
+            return past
+        return [array("q", [s for s in range(len(grp.known)) if grp.known[s] == 1 and grp.low[grp.pos[s]]])
+                for grp in self.groups]
+
+    def _reads(self, grp: _Group, hit: int) -> Slots:
+        bs = grp.block_size
+        n = hit // bs
+        if grp.kind == "full":
+            first = 0
+        elif grp.kind == "swa":
+            first = n - self.groups[grp.g].window + grp.eagle  # the window without the EAGLE chunk
+        elif grp.kind == "mamba":
+            first = n - 1
+        else:  # chunked local attention: from the start of the hit's attention chunk
+            first = hit // grp.chunk * grp.chunk // bs
+        return _present_run(grp, grp.slot(max(0, first)), grp.slot(n))
+
+    def _with_next(self, grp: _Group, slots: Slots, hit: int) -> Slots:
+        s = grp.slot(hit // grp.block_size)
+        if s < len(grp.known) and grp.known[s] == 1 and grp.low[grp.pos[s]] and s not in slots:
+            return array("q", sorted([*slots, s]))
+        return slots
+
+    def _presence(self, picked: Sequence[Slots]) -> List[bytearray]:
+        out = []
+        for g, (grp, slots) in enumerate(zip(self.groups, picked)):
+            p = self.plan.presence_of(g, b"")  # the chunks held below skip_tokens
+            for s in slots:
+                p[grp.pos[s]] = 1
+            out.append(p)
+        return out
+
+
+#: The engine's hit (tokens) on per-group presence.
+HitOf = Callable[[List[bytearray]], int]
+
+
+def _present_run(grp: _Group, lo: int, hi: int) -> Slots:
+    """Slots ``[lo, hi)`` known present, as a range when all are (a full-attention hit)."""
+    low, pos, known = grp.low, grp.pos, grp.known
+    if hi <= lo:
+        return range(lo, lo)
+    if isinstance(pos, range) and known.find(0, lo, hi) < 0 and known.find(2, lo, hi) < 0 \
+            and low.find(0, pos[lo], pos[hi - 1] + 1) < 0:
+        return range(lo, hi)
+    return array("q", [s for s in range(lo, hi) if known[s] == 1 and low[pos[s]]])

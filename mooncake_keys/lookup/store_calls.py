@@ -1,4 +1,4 @@
-"""The store-fault policy: one ``batch_is_exist``, its answer checked, a fault logged and timed.
+"""The store-fault policy: one existence call (``batch_is_exist``), its answer checked, a fault logged and timed.
 
 Whatever the store does (raises, answers something other than a list or tuple, answers a list of
 the wrong length), :meth:`StoreCalls.call` returns None and logs one warning line; the lookup that
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 __all__ = ["StoreCalls"]
 
@@ -32,22 +32,24 @@ class StoreCalls:
         self._unavailable = 0.0  # seconds, of the spells that ended
         self._reported = 0.0  # what take_unavailable() has handed out
 
-    def call(self, keys: List[str]) -> Optional[list]:
-        """One ``batch_is_exist`` of ``keys``: the answers, a list as long as ``keys``, or None
-        (a fault: logged, and the store unavailable from now)."""
+    def call(self, keys: List[str], method: str = "batch_is_exist",
+             fn: Optional[Callable[[List[str]], Any]] = None) -> Optional[list]:
+        """One existence call of ``keys`` (``store.batch_is_exist``, or ``fn``, the store's call
+        named ``method``, e.g. Mooncake 0.3.14's ``batch_probe_key``): the answers, a list as
+        long as ``keys``, or None (a fault: logged, and the store unavailable from now)."""
         try:
-            results = self.store.batch_is_exist(keys)
+            results = (self.store.batch_is_exist if fn is None else fn)(keys)
         except Exception as exc:  # the serving engine must never crash on a store fault
-            return self.failed("batch_is_exist of %d keys raised %s: %s", len(keys), type(exc).__name__, exc)
+            return self.failed("%s of %d keys raised %s: %s", method, len(keys), type(exc).__name__, exc)
         if not isinstance(results, (list, tuple)):
-            return self.failed("batch_is_exist returned %s, not a list", type(results).__name__)
+            return self.failed("%s returned %s, not a list", method, type(results).__name__)
         try:
             if type(results) is not list:
                 results = list(results)  # a tuple, or a subclass: its items, read once
         except Exception as exc:  # a list subclass that fails to iterate, ...
-            return self.failed("the answer of batch_is_exist could not be read: %s: %s", type(exc).__name__, exc)
+            return self.failed("the answer of %s could not be read: %s: %s", method, type(exc).__name__, exc)
         if len(results) != len(keys):
-            return self.failed("batch_is_exist returned %d results for %d keys", len(results), len(keys))
+            return self.failed("%s returned %d results for %d keys", method, len(results), len(keys))
         if self._down_since is not None:
             with self._lock:
                 if self._down_since is not None:

@@ -54,10 +54,13 @@ class LocalCluster:
     """etcd and ``masters`` HA ``mooncake_master`` processes with an oplog, on loopback.
 
     The logs (``etcd.log``, ``master<i>.log``) go to ``log_dir`` when given (and stay there),
-    else into the work directory; ``log_dir`` tells where they are once started."""
+    else into the work directory; ``log_dir`` tells where they are once started. ``executable``
+    is the ``mooncake_master`` every master runs (default: the installed package's);
+    ``kv_events=True`` makes each publish its key events on a port of its own (only the leader
+    has any to publish)."""
 
     def __init__(self, masters: int = 2, *, default_kv_lease_ttl: Optional[int] = 200, ready_timeout: float = 30.0,
-                 log_dir: Optional[str] = None) -> None:
+                 log_dir: Optional[str] = None, executable: Optional[str] = None, kv_events: bool = False) -> None:
         int_arg("masters", masters, min=1, max=MAX_MASTERS)
         self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
         self._log_dir_given = log_dir
@@ -69,7 +72,8 @@ class LocalCluster:
         endpoints = f"{HOST}:{self.etcd_port}"
         # Their log paths are set at start, in the log directory.
         self.masters: List[LocalMaster] = [
-            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints, ready_timeout=ready_timeout)
+            LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints,
+                        ready_timeout=ready_timeout, executable=executable, kv_events=kv_events)
             for _ in range(masters)
         ]
 

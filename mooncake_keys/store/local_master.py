@@ -12,6 +12,12 @@ It dies with the process that started it, whatever ends that process (Linux: see
 and metrics ports held by its own sockets (a second master on ports another one holds would
 otherwise look ready, answered for by the first, until it dies a second later).
 
+``executable`` chooses the binary (default: the installed ``mooncake`` package's), so one machine
+can run the masters of two Mooncake releases side by side (the tests run 0.3.13.post1's and
+0.3.14's). ``kv_events=True`` (0.3.14's master; 0.3.13.post1's accepts the flags and publishes
+nothing) makes it publish its key events on a loopback ZMQ port (:attr:`LocalMaster.events_endpoint`),
+read by :mod:`mooncake_keys.events`.
+
 Unless given a ``log_path``, it logs into a work directory of its own (:mod:`.workdir`),
 removed on a clean stop; on a failure (it would not start, or it had exited by itself) the log is
 kept and named in the error or a warning.
@@ -22,6 +28,8 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import re
+import subprocess
 import logging
 import os
 import shutil
@@ -34,11 +42,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from .._checks import MAX_SECONDS, int_arg, seconds_arg
+from .._checks import MAX_SECONDS, bool_arg, int_arg, seconds_arg
 from .process import ManagedProcess, owns_listening_port
 from .workdir import WorkDir
 
-__all__ = ["LocalMaster", "LocalMasterError", "find_master_executable", "free_port"]
+__all__ = ["LocalMaster", "LocalMasterError", "find_master_executable", "free_port", "master_version"]
 
 logger = logging.getLogger("mooncake_keys.store")
 
@@ -71,10 +79,36 @@ def find_master_executable() -> str:
     )
 
 
+_VERSIONS: dict = {}
+
+
+def master_version(executable: Optional[str] = None) -> str:
+    """The release of a ``mooncake_master`` binary (``"0.3.14"``), as its ``--version`` prints it
+    (asked once per path); "" when it does not say."""
+    exe = executable or find_master_executable()
+    if exe not in _VERSIONS:
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+            found = re.search(r"version (\S+)", out.stdout + out.stderr)
+        except (OSError, subprocess.SubprocessError):
+            found = None
+        _VERSIONS[exe] = found.group(1) if found else ""
+    return _VERSIONS[exe]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def _distinct_port(taken: set) -> int:
+    """A free port not in ``taken`` (added to it)."""
+    while True:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            return port
 
 
 def http_json(url: str, timeout: float = 0.5) -> Optional[Any]:
@@ -100,6 +134,10 @@ class LocalMaster:
     ``master.log`` in a work directory made at :meth:`start` and removed by a clean :meth:`stop`,
     kept when the master failed (the error, or a warning, names it). ``log_path`` tells where it
     is once started.
+
+    ``executable``: the ``mooncake_master`` to run (default :func:`find_master_executable`).
+    ``kv_events=True``: it publishes its key events (ZMQ PUB on ``events_port``, picked free and
+    kept by :meth:`restart`; Mooncake publishes only with a backend id, ``mooncake_keys`` here).
     """
 
     def __init__(
@@ -113,6 +151,8 @@ class LocalMaster:
         ready_timeout: float = 15.0,
         executable: Optional[str] = None,
         etcd_endpoints: Optional[str] = None,
+        kv_events: bool = False,
+        events_port: Optional[int] = None,
     ) -> None:
         self.rpc_port = None if rpc_port is None else int_arg("rpc_port", rpc_port, min=1, max=65535)
         self.metrics_port = None if metrics_port is None else int_arg("metrics_port", metrics_port, min=1, max=65535)
@@ -123,6 +163,8 @@ class LocalMaster:
         self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
         self.executable = executable
         self.etcd_endpoints = etcd_endpoints
+        self.kv_events = bool_arg("kv_events", kv_events)
+        self.events_port = None if events_port is None else int_arg("events_port", events_port, min=1, max=65535)
         self.log_path: Optional[Path] = None if log_path is None else Path(log_path)
         self._own_log = False  # the log lives in a work directory of ours (no log_path given)
         self._workdir: Optional[WorkDir] = None
@@ -137,6 +179,28 @@ class LocalMaster:
         if self.rpc_port is None:
             raise LocalMasterError("master not started yet")
         return f"{HOST}:{self.rpc_port}"
+
+    @property
+    def http_address(self) -> str:
+        """``"http://127.0.0.1:PORT"``: the master's HTTP server (``/health``, ``/get_all_keys``,
+        ``/kv_events/status``), on its metrics port."""
+        if self.metrics_port is None:
+            raise LocalMasterError("master not started yet")
+        return f"http://{HOST}:{self.metrics_port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        """``"tcp://127.0.0.1:PORT"``, where the master publishes its key events (``kv_events=True``)."""
+        if not self.kv_events:
+            raise LocalMasterError("this master publishes no key events (kv_events=False)")
+        if self.events_port is None:
+            raise LocalMasterError("master not started yet")
+        return f"tcp://{HOST}:{self.events_port}"
+
+    @property
+    def version(self) -> str:
+        """The release of the binary this master runs (``"0.3.14"``)."""
+        return master_version(self.executable)
 
     @property
     def metadata_server(self) -> str:
@@ -169,6 +233,9 @@ class LocalMaster:
         ]
         if self.default_kv_lease_ttl is not None:
             args.append(f"--default_kv_lease_ttl={int(self.default_kv_lease_ttl)}")
+        if self.kv_events:
+            args += ["--enable_kv_events=true", f"--kv_events_bind_endpoint=tcp://{HOST}:{self.events_port}",
+                     "--kv_events_backend_id=mooncake_keys"]
         if self.etcd_endpoints:
             args += ["--enable_ha=true", "--enable_oplog=true", f"--etcd_endpoints={self.etcd_endpoints}",
                      "--enable_metric_reporting=false"]
@@ -179,8 +246,12 @@ class LocalMaster:
         if self.is_running():
             raise LocalMasterError(f"mooncake_master already running (pid {self.pid})")
         exe = self.executable or find_master_executable()
-        self.rpc_port = self.rpc_port or free_port()
-        self.metrics_port = self.metrics_port or free_port()
+        # Ports picked one after another can come out equal (each probe socket is closed first).
+        taken = {p for p in (self.rpc_port, self.metrics_port, self.events_port) if p}
+        self.rpc_port = self.rpc_port or _distinct_port(taken)
+        self.metrics_port = self.metrics_port or _distinct_port(taken)
+        if self.kv_events:
+            self.events_port = self.events_port or _distinct_port(taken)
         if self.log_path is None or self._own_log:
             self._own_log = True
             if self._workdir is None:  # a restart after a kill appends to the same log
@@ -211,7 +282,15 @@ class LocalMaster:
             return False
         if self.etcd_endpoints and h.get("ha_state") in ("standby", "candidate", "leader_warmup"):
             return True  # a standby opens its RPC port only when it starts serving
-        return bool(h.get("service_ready")) and self._owns(self.rpc_port)
+        return bool(h.get("service_ready")) and self._owns(self.rpc_port) and self._events_ready()
+
+    def _events_ready(self) -> bool:
+        """Key events, if asked for and the master publishes them (0.3.13.post1's does not):
+        published from a port of its own."""
+        if not self.kv_events:
+            return True
+        status = http_json(f"{self.http_address}/kv_events/status")
+        return not (isinstance(status, dict) and status.get("enabled")) or self._owns(self.events_port)
 
     def serving(self) -> bool:
         """This master serves (the leader, with its RPC port held by its own socket)."""

@@ -15,6 +15,13 @@ while a probe cannot reach the master (:mod:`.probe`), and runs every existence 
 with a time limit (:mod:`.lane`): a lookup never waits longer than ``call_timeout_s``, the
 first call after a master dies included. Its method names match the client's, so it is a
 drop-in ``store`` for a lookup engine and a KV pool.
+
+Mooncake 0.3.14 added an existence check that takes no read lease, ``batch_probe_key``, and a
+way to lease one chosen set of keys all-or-nothing (policy ``LastHitOnly`` with one candidate
+of every key). It works only when the client *and* the master are 0.3.14: a 0.3.14 client of an
+older master is answered ``-900`` for every key. :meth:`MooncakeStore.lease_probes` finds out
+which, once per client, and remembers; a lookup engine then asks without leases and leases
+exactly the keys its hit loads (:mod:`mooncake_keys.lookup.rounds`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, List, Optional, Tuple
 
-from .._checks import bool_arg, seconds_arg, text_arg
+from .._checks import bool_arg, int_arg, seconds_arg, text_arg
 from .config import LOCAL_HOSTNAME_ENV, MooncakeStoreConfig, parse_size, set_client_env
 from .gate import CallGate, GateClosed
 from .keycheck import check_batch, check_key, check_keys
@@ -35,6 +42,8 @@ from .probe import DEFAULT_PROBE_INTERVAL_S, MasterProbe, parse_master_address, 
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
+    "LEASE_NONE",
+    "LEASE_LAST_HIT_ONLY",
     "MooncakeStore",
     "MooncakeStoreError",
     "MooncakeStoreUnavailable",
@@ -47,6 +56,12 @@ DEFAULT_CALL_TIMEOUT_S = 0.5
 
 #: ``ErrorCode::RPC_FAIL``: the master could not be reached for this call.
 RPC_FAIL = -900
+#: ``batch_probe_key`` policies (Mooncake 0.3.14; it refuses any other spelling): no lease at
+#: all, or a lease on the last group of ``candidate_size`` keys that all exist.
+LEASE_NONE, LEASE_LAST_HIT_ONLY = "none", "LastHitOnly"
+#: The key :meth:`MooncakeStore.lease_probes` asks to find out whether the master answers
+#: ``batch_probe_key`` (no one stores it; any answer but -900 says the master knows the call).
+SUPPORT_PROBE_KEY = "mooncake_keys/does-the-master-answer-batch_probe_key"
 #: The protocol of a client that only asks the master (no segment, no buffer, no listener).
 LOOKUP_ONLY_PROTOCOL = "rpc_only"
 _PROTOCOLS = ("tcp", "rdma", LOOKUP_ONLY_PROTOCOL)
@@ -209,6 +224,9 @@ class MooncakeStore:
         """
         probe_interval_s, call_timeout_s = _check_timing(probe_interval_s, call_timeout_s)
         self._client = client
+        # Whether this client and its master answer batch_probe_key: None until found out.
+        self._probes: Optional[bool] = None
+        self._probes_lock = threading.Lock()
         self._retired: List[Any] = []  # clients replaced after a failover, closed with the store
         self._reconnect = reconnect
         self._swap_lock = threading.Lock()
@@ -398,6 +416,7 @@ class MooncakeStore:
         with self._swap_lock:
             self._retired.append(self._client)
             self._client = fresh
+            self._probes = None  # a new client: found out again
         logger.info("Mooncake lookup client moved to the new leader %s:%d", host, port)
 
     # ----------------------------------------------------------- state
@@ -461,6 +480,74 @@ class MooncakeStore:
         if not checked:
             return []
         return self._ask("batch_is_exist", checked)
+
+    def lease_probes(self) -> bool:
+        """Whether :meth:`batch_probe_key` works: the client has it and its master answers it
+        (Mooncake 0.3.14 on both ends). Found out once per client, by asking a key no one
+        stores with both calls (a master that answers ``batch_is_exist`` but ``-900`` for every
+        key of ``batch_probe_key`` is an older one), and remembered; False while it cannot be
+        found out (the master is down: asked again next time) or while another thread asks."""
+        known = self._probes
+        if known is not None:
+            return known
+        if not self._probes_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._probes is None:
+                self._probes = self._find_out_probes()
+            return bool(self._probes)
+        finally:
+            self._probes_lock.release()
+
+    def _find_out_probes(self) -> Optional[bool]:
+        """True, False, or None (not known: the master did not answer)."""
+        client = self._client
+        if not callable(getattr(client, "batch_probe_key", None)):
+            return False  # a client before 0.3.14
+        try:
+            with self._gate.call("store"):
+                self._check_up()
+                timeout = self.call_timeout_s
+                # Straight on the lane: an old master's -900 must not be retried nor suspected.
+                answer = self._lane.run(client.batch_probe_key, [SUPPORT_PROBE_KEY], timeout=timeout)
+                if isinstance(answer, list) and len(answer) == 1 and answer[0] in (0, 1):
+                    return True
+                exist = self._lane.run(client.batch_is_exist, [SUPPORT_PROBE_KEY], timeout=timeout)
+        except (GateClosed, LaneTimeout, LaneBusy, MooncakeStoreUnavailable):
+            return None
+        except Exception:  # noqa: BLE001 - a client that cannot probe does not probe
+            logger.debug("batch_probe_key of %s raised", self.master_address, exc_info=True)
+            return False
+        if isinstance(exist, list) and len(exist) == 1 and exist[0] in (0, 1):
+            logger.info("the Mooncake master %s does not answer batch_probe_key (%s; it is older than "
+                        "this 0.3.14 client): lookups ask batch_is_exist", self.master_address, answer)
+            return False
+        return None
+
+    def batch_probe_key(self, keys: Sequence[str], policy: str = LEASE_NONE, candidate_size: int = 1) -> list[int]:
+        """Mooncake 0.3.14's existence check: per key 1 exists, 0 missing, negative on error.
+
+        ``policy`` :data:`LEASE_NONE` grants no lease; :data:`LEASE_LAST_HIT_ONLY` leases the last
+        group of ``candidate_size`` consecutive keys that all exist (``candidate_size=len(keys)``:
+        every key, exactly when all exist). ``candidate_size`` must divide the number of keys.
+        Checked, timed and refused as :meth:`batch_is_exist`; ``MooncakeStoreError`` when the
+        client has no such call (before 0.3.14). An answer of -900 for every key from a master
+        known to answer it makes :meth:`lease_probes` find out again (an older master may have
+        taken its place)."""
+        checked = check_keys(keys)
+        if policy not in (LEASE_NONE, LEASE_LAST_HIT_ONLY):
+            raise ValueError(f"policy must be {LEASE_NONE!r} or {LEASE_LAST_HIT_ONLY!r}, got {policy!r}")
+        int_arg("candidate_size", candidate_size, min=1)
+        if checked and len(checked) % candidate_size:
+            raise ValueError(f"candidate_size ({candidate_size}) must divide the number of keys ({len(checked)})")
+        if not checked:
+            return []
+        if not callable(getattr(self._client, "batch_probe_key", None)):
+            raise MooncakeStoreError("this Mooncake client has no batch_probe_key (it came with Mooncake 0.3.14)")
+        result = self._ask("batch_probe_key", checked, policy, candidate_size)
+        if _rpc_failed(result) and self._probes:
+            self._probes = None
+        return result
 
     def is_exist(self, key: str) -> int:
         """1 exists, 0 missing, negative on error."""

@@ -56,6 +56,15 @@ class RecordingStore:
     (on Mooncake, the read leases those calls took). ``record_keys=False`` only counts calls
     and keys (a benchmark would time the copies and the count of present answers). ``check_keys=True`` raises ``TypeError`` for keys that
     are not a list of str (what the engine promises to send). ``close()`` does nothing.
+
+    ``leases=True`` makes it a Mooncake 0.3.14 store: ``lease_probes()`` is true and
+    ``batch_probe_key(keys, policy, candidate_size)`` answers as ``batch_is_exist`` does (and is
+    recorded in ``calls`` as well), leasing nothing with policy ``"none"`` and, with
+    ``"LastHitOnly"``, the last group of ``candidate_size`` keys that all answered 1; every
+    ``batch_is_exist`` leases the keys it answers 1. ``leased`` holds the keys each call leased
+    (one list per call, in order), ``probe_calls`` the policy of each call (``"exist"`` for
+    ``batch_is_exist``). Over a Mooncake store (``answer`` a store) they are kept too, by the
+    same rules: the leases that store's master granted.
     """
 
     def __init__(
@@ -67,6 +76,7 @@ class RecordingStore:
         fault_calls: Optional[Collection[int]] = None,
         record_keys: bool = True,
         check_keys: bool = False,
+        leases: bool = False,
     ) -> None:
         if answer is not None and present is not None:
             raise TypeError("give either answer or present, not both")
@@ -83,6 +93,10 @@ class RecordingStore:
         self._answer = self._answerer(answer, present)
         #: The keys of each call, in order (copies; empty with ``record_keys=False``).
         self.calls: List[List[str]] = []
+        self.leases = leases
+        #: With ``leases``: the keys each call leased, and each call's policy ("exist": batch_is_exist).
+        self.leased: List[List[str]] = []
+        self.probe_calls: List[str] = []
         self.num_calls = 0
         self.keys_asked = 0
         self.keys_present = 0
@@ -116,6 +130,15 @@ class RecordingStore:
         return lambda keys: [1 if k in stored else 0 for k in keys]
 
     def batch_is_exist(self, keys: Any) -> Any:
+        answer = self._existence(keys)
+        if self.leases or (self._backing is not None and self.record_keys):
+            leased = [k for k, a in zip(keys, answer) if a == 1] if type(answer) is list else []
+            with self._lock:
+                self.leased.append(leased)
+                self.probe_calls.append("exist")
+        return answer
+
+    def _existence(self, keys: Any, ask: Optional[Callable[[Any], Any]] = None) -> Any:
         if self.check_keys and not (type(keys) is list and all(type(k) is str for k in keys)):
             raise TypeError(f"batch_is_exist was given {type(keys).__name__}, not a list of str")
         with self._lock:
@@ -126,7 +149,7 @@ class RecordingStore:
                 self.calls.append(list(keys))
         fault = self.fault
         if fault is None or (self.fault_calls is not None and call not in self.fault_calls):
-            answer = self._answer(keys)
+            answer = (ask or self._answer)(keys)
             if self.record_keys and type(answer) is list:
                 from ..lookup._core import reduce_presence  # answers exactly 1, no item's code run
 
@@ -143,6 +166,35 @@ class RecordingStore:
         if fault == SHORT:
             return list(self._answer(keys))[:-1]
         return [fault] * len(keys)
+
+    def lease_probes(self) -> bool:
+        """Whether ``batch_probe_key`` answers (``leases=True``: a Mooncake 0.3.14 store; with a
+        store behind this one, that store's answer)."""
+        if not self.leases and self._backing is not None:
+            probes = getattr(self._backing, "lease_probes", None)
+            return bool(probes()) if callable(probes) else False
+        return self.leases
+
+    def batch_probe_key(self, keys: Any, policy: str = "none", candidate_size: int = 1) -> Any:
+        if not self.leases:
+            backing = self._backing
+            if backing is None or not callable(getattr(backing, "batch_probe_key", None)):
+                raise AttributeError("this RecordingStore has no batch_probe_key (leases=False: Mooncake 0.3.13)")
+            answer = self._existence(keys, lambda k: backing.batch_probe_key(k, policy, candidate_size))
+        else:
+            if policy not in ("none", "LastHitOnly"):
+                raise ValueError(f"Unknown batch_probe_key policy {policy!r}")
+            answer = self._existence(keys)
+        leased: List[str] = []
+        if policy == "LastHitOnly" and type(answer) is list and candidate_size > 0 and len(keys) % candidate_size == 0:
+            for start in range(len(keys) - candidate_size, -1, -candidate_size):
+                if all(a == 1 for a in answer[start:start + candidate_size]):
+                    leased = list(keys[start:start + candidate_size])
+                    break
+        with self._lock:
+            self.leased.append(leased)
+            self.probe_calls.append(policy)
+        return answer
 
     def close(self) -> None:
         """Nothing to close (vLLM's worker calls it)."""

@@ -38,7 +38,7 @@ from .logs import join_vllm_logging
 from .mapping import Unsupported
 from .metrics import (FALLBACK, SHARED_WAIT, ConnectorStats, PromMetrics, add_row, fallback_row, recorder,
                       shared_wait_row)
-from .scheduler import SchedulerLookupClient, check_rank0, scheduler_deployment
+from .scheduler import SchedulerLookupClient, check_rank0, key_events_of, scheduler_deployment
 from .versions import contract_for_installed, installed_version, unsupported_reason
 from .worker import RecordedStore, accelerate_worker, log_once
 
@@ -135,7 +135,8 @@ class FastMooncakeStoreConnector(MooncakeStoreConnector):
                      type(exc).__name__, exc)
             self._append(FALLBACK, fallback_row(f"in the scheduler: {type(exc).__name__}: {exc}"))
             return
-        engine = LookupEngine.for_deployment(deployment, store=RecordedStore(store, self._record), strategy=self._strategy)
+        engine = LookupEngine.for_deployment(deployment, store=RecordedStore(store, self._record),
+                                             strategy=self._strategy, key_events=key_events_of(vllm_config))
         engine.observer = recorder(self._append, "scheduler")
         path = handshake_path(vllm_config)
         sched.client = SchedulerLookupClient(sched.client, engine, store, lease_s=self._lease_s,

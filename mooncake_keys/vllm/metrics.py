@@ -22,6 +22,14 @@ and meanings are :mod:`mooncake_keys.metrics`' table, shared with ``LookupMetric
   Mooncake each took a read lease);
 * ``vllm:mooncake_keys_lookup_seconds{side}``: lookup latency (histogram);
 * ``vllm:mooncake_keys_store_unavailable_seconds_total{side}``: time the store could not be asked;
+* ``vllm:mooncake_keys_lookup_leased_keys_total{side}``: read leases the lookups took (with
+  Mooncake 0.3.14's lease-free probes or key events: exactly the keys the hits load);
+* ``vllm:mooncake_keys_lookups_without_call_total{side}`` and ``..._lookup_mirror_keys_total{side}``:
+  lookups the key-event mirror answered with no store call, and keys it answered;
+* with ``"key_events"`` configured, the mirror's state: ``vllm:mooncake_keys_key_event_messages_total``,
+  ``..._key_events_seen_total``,
+  ``..._key_events_total``, ``..._key_event_gaps_total``, ``..._key_mirror_rebuilds_total``
+  (``{side}``) and the gauges ``..._key_mirror_keys`` and ``..._key_mirror_complete``;
 * ``vllm:mooncake_keys_fallback_info{reason}``: 1 for each reason vLLM's own lookup was kept;
 * ``vllm:mooncake_keys_shared_load_waits_total{outcome}`` and
   ``..._shared_load_wait_seconds_total``: requests that waited for another request's load of
@@ -45,7 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 
 from ..lookup.engine import LookupRecord
 from ..lookup.shared_loads import OUTCOMES
-from ..metrics import COUNTERS, LATENCY_BUCKETS, LATENCY_DOC, LOOKUPS_DOC
+from ..metrics import (COUNTERS, LATENCY_BUCKETS, LATENCY_DOC, LOOKUPS_DOC, MIRROR_COUNTERS, MIRROR_GAUGES,
+                       observe_mirror)
 
 __all__ = ["LOOKUP", "FALLBACK", "SHARED_WAIT", "MAX_ROWS", "ConnectorStats", "PromMetrics", "add_row", "lookup_row", "record_of_row",
            "fallback_row", "shared_wait_row", "recorder"]
@@ -71,6 +80,10 @@ def lookup_row(rec: LookupRecord, side: str) -> Dict[str, Any]:
         # the drop-in's
         "side": side, "outcome": rec.outcome, "num_tokens": rec.num_tokens, "hit_tokens": rec.hit_tokens,
         "calls": rec.calls, "present_keys": rec.present_keys, "unavailable_seconds": rec.unavailable_seconds,
+        "leased_keys": rec.leased_keys, "mirror_keys": rec.mirror_keys, "answered_without_call": rec.answered_without_call,
+        # the key-event mirror's totals (None without one): plain numbers, they cross processes
+        "mirror": None if rec.mirror is None else {f: int(getattr(rec.mirror, f)) for _, _, f in
+                                                    MIRROR_COUNTERS + MIRROR_GAUGES},
     }
 
 
@@ -78,7 +91,8 @@ def record_of_row(row: Dict[str, Any]) -> LookupRecord:
     """The lookup a :func:`lookup_row` describes (rows cross processes as plain dicts)."""
     return LookupRecord(int(row["num_tokens"]), int(row["hit_tokens"]), int(row["num_keys"]), int(row["calls"]),
                         int(row["present_keys"]), str(row["outcome"]), float(row["duration_seconds"]),
-                        float(row["unavailable_seconds"]))
+                        float(row["unavailable_seconds"]), int(row.get("leased_keys", 0)), int(row.get("mirror_keys", 0)),
+                        int(row.get("answered_without_call", 0)), row.get("mirror"))
 
 
 def fallback_row(reason: str) -> Dict[str, Any]:
@@ -130,8 +144,16 @@ class ConnectorStats(MooncakeStoreConnectorStats):
                 "mooncake_keys_keys_per_lookup": round(sum(int(r["num_keys"]) for r in rows) / n, 1),
                 "mooncake_keys_calls_per_lookup": round(sum(int(r["calls"]) for r in rows) / n, 2),
                 "mooncake_keys_present_keys": sum(int(r["present_keys"]) for r in rows),
+                "mooncake_keys_leased_keys": sum(int(r.get("leased_keys", 0)) for r in rows),
                 "mooncake_keys_faults": sum(1 for r in rows if r["outcome"] == "fault"),
             })
+            mirrors = [r["mirror"] for r in rows if r.get("mirror")]
+            if mirrors:
+                reduced.update({
+                    "mooncake_keys_without_call": sum(int(r.get("answered_without_call", 0)) for r in rows),
+                    "mooncake_keys_mirror_keys": mirrors[-1]["keys"],
+                    "mooncake_keys_mirror_gaps": mirrors[-1]["gaps"],
+                })
         waits = ours.get(SHARED_WAIT, [])
         if waits:
             reduced["mooncake_keys_shared_load_waits"] = len(waits)
@@ -164,6 +186,13 @@ class PromMetrics(MooncakeStorePromMetrics):
                                      documentation="mooncake_keys: requests that waited for another request's load "
                                                    "of their blocks (share_loads), by how the wait ended (landed, "
                                                    "dropped: that load did not land, expired: waited 1 s).")
+        self._mirror_counters = [(counter(name=f"vllm:mooncake_keys_{name}_total", labelnames=side,
+                                          documentation=f"mooncake_keys: {doc}"), field)
+                                 for name, doc, field in MIRROR_COUNTERS]
+        self._mirror_gauges = [(gauge(name=f"vllm:mooncake_keys_{name}", labelnames=side,
+                                      documentation=f"mooncake_keys: {doc}", multiprocess_mode="mostrecent"), field)
+                               for name, doc, field in MIRROR_GAUGES]
+        self._mirror_seen: Dict[tuple, Dict[str, int]] = {}  # per (engine, side): the totals counted
         self._shared_wait_seconds = counter(name="vllm:mooncake_keys_shared_load_wait_seconds_total",
                                             labelnames=labelnames,
                                             documentation="mooncake_keys: seconds requests waited for another "
@@ -185,6 +214,10 @@ class PromMetrics(MooncakeStorePromMetrics):
                 if value > 0:
                     metric.labels(*side).inc(value)
             self._latency.labels(*side).observe(rec.seconds)
+            if r.get("mirror"):
+                observe_mirror(r["mirror"], self._mirror_seen.setdefault((engine_idx, str(r["side"])), {}),
+                               [(m.labels(*side), f) for m, f in self._mirror_counters],
+                               [(m.labels(*side), f) for m, f in self._mirror_gauges])
         for r in ours.get(FALLBACK, []):
             self._fallback.labels(*labels, str(r["reason"])).set(1)
         for r in ours.get(SHARED_WAIT, []):

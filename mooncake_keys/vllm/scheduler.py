@@ -25,6 +25,13 @@ answered 0 with a log line, as vLLM answers it; everything in range as rank 0 wo
 
 Every lookup answered here is recorded as vLLM's ``lookup_exists`` operation and the drop-in's
 own metrics (side ``scheduler``), reported through the scheduler connector's stats.
+
+``"key_events"`` in ``kv_connector_extra_config`` (off by default; Mooncake 0.3.14's master run
+with ``--enable_kv_events``): ``{"endpoint": "tcp://host:port", "http": "http://host:metrics_port"}``,
+or a list of those, one per HA master. The scheduler's engine then keeps a mirror of this
+deployment's keys from the master's events (:mod:`mooncake_keys.events`): a miss is answered
+without asking the master, a hit with one call that verifies and leases exactly its keys; while
+the mirror is incomplete (a gap, a restart, a failover, events off) lookups ask the master.
 """
 
 from __future__ import annotations
@@ -41,12 +48,28 @@ from .handshake import ask_rank0, read_published, token_answer
 from .mapping import Unsupported, deployment_of
 from .worker import VllmResults, log_once
 
-__all__ = ["SchedulerLookupClient", "scheduler_deployment", "check_rank0"]
+__all__ = ["SchedulerLookupClient", "scheduler_deployment", "check_rank0", "key_events_of", "KEY_EVENTS"]
 
 logger = logging.getLogger("mooncake_keys.vllm")
 
 #: Seconds between looks for rank 0's published prefixes while none was found yet.
 RECHECK_S = 1.0
+#: The ``kv_connector_extra_config`` key of the key-event mirror (off when absent or null).
+KEY_EVENTS = "key_events"
+
+
+def key_events_of(vllm_config: Any) -> Optional[Any]:
+    """The masters whose key events the scheduler's engine mirrors (``"key_events"``), checked;
+    None when off. ValueError/TypeError naming the setting otherwise."""
+    value = vllm_config.kv_transfer_config.kv_connector_extra_config.get(KEY_EVENTS)
+    if value is None:
+        return None
+    from ..events.mirror import sources_of
+
+    try:
+        return sources_of(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"kv_connector_extra_config[{KEY_EVENTS!r}]: {exc}") from None
 
 
 def scheduler_deployment(sched: Any, vllm_config: Any, contract: str) -> Deployment:
@@ -168,6 +191,7 @@ class SchedulerLookupClient:
             if self._batcher is not None:
                 self._batcher.close()
             self.zmq.close()
+            self.engine.close()  # its key-event mirror, if it made one
         finally:
             close = getattr(self.store, "close", None)
             if close is not None:

@@ -74,18 +74,33 @@ class RecordedStore:
         self._get = store if callable(store) and not hasattr(store, "batch_is_exist") else (lambda: store)
         self.record = record
 
+    def lease_probes(self) -> bool:
+        """The store's answer (Mooncake 0.3.14's lease-free probes), False if it has none."""
+        probes = getattr(self._get(), "lease_probes", None)
+        return bool(probes()) if callable(probes) else False
+
+    def batch_probe_key(self, keys: Any, policy: str = "none", candidate_size: int = 1) -> Any:
+        """The store's ``batch_probe_key``, recorded as ``batch_is_exist`` is (vLLM's
+        ``lookup_exists``: it is the lookup's existence check)."""
+        store = self._get()
+        return self._recorded(lambda: store.batch_probe_key(keys, policy, candidate_size), len(keys))
+
     def batch_is_exist(self, keys: Any) -> Any:
+        store = self._get()
+        return self._recorded(lambda: store.batch_is_exist(keys), len(keys))
+
+    def _recorded(self, call: Callable[[], Any], n: int) -> Any:
+        """``call()`` (an existence call of ``n`` keys), timed and recorded."""
         record = self.record
         start = time.perf_counter()
         try:
-            results = self._get().batch_is_exist(keys)
+            results = call()
         except Exception:
             if record is not None:
-                record("lookup_exists", time.perf_counter() - start, len(keys), status="error",
-                       num_failed_keys=len(keys))
+                record("lookup_exists", time.perf_counter() - start, n, status="error", num_failed_keys=n)
             raise
         if record is not None:
-            record("lookup_exists", time.perf_counter() - start, len(keys))
+            record("lookup_exists", time.perf_counter() - start, n)
         return results
 
 

@@ -465,3 +465,79 @@ def test_keys_that_differ_from_rank_0s_keep_the_zmq_path(deployment, caplog):
         finally:
             client.close()
     assert any("keys differ from rank 0's" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------- key events (Mooncake 0.3.14)
+@pytest.fixture(scope="module")
+def events_master(tmp_path_factory):
+    from support.mooncake_fixtures import NEWEST, master_executable
+
+    with LocalMaster(log_path=tmp_path_factory.mktemp("sched-events") / "master.log", kv_events=True,
+                     executable=master_executable(NEWEST)) as m:
+        yield m
+
+
+def test_with_key_events_a_miss_asks_nothing_and_a_hit_its_keys_once(events_master, tmp_path, monkeypatch):
+    """``"key_events"`` in kv_connector_extra_config: the scheduler's engine mirrors the 0.3.14
+    master's events; its answers are rank 0's (over ZMQ) and vLLM's own, a miss makes no store
+    call, a hit one (vLLM's lookup_exists rows count them), and the mirror's state is on the rows."""
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE",
+                                  "master_server_address": events_master.master_address,
+                                  "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
+                                  "local_buffer_size": 16 << 20}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+    cfg = dict(CFG, extra_config=dict(CFG["extra_config"], lookup_rpc_port=8, key_events={
+        "endpoint": events_master.events_endpoint, "http": events_master.http_address}))
+    holder = MooncakeStore.connect(events_master.master_address)
+    worker = vllm_workers.build_worker(cfg, holder)
+    connector = vllm_workers.build_scheduler_connector(cfg)
+    client = connector.connector_scheduler.client
+    try:
+        assert vllm_workers.wait_verified(client), client.why_not
+        mirror = client.engine.mirror
+        deadline = time.monotonic() + 10
+        while not mirror.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mirror.ready, mirror.stats()
+        engine = worker.lookup.engine
+        rng = random.Random(11)
+        expected_calls = 0
+        for i in range(30):
+            n = rng.randint(1, 24)
+            hashes = [rng.randbytes(32) for _ in range(n)]
+            stored = rng.choice([0, 0, rng.randint(1, n)])
+            store_prefix(holder, engine, hashes, stored * 16)
+            saved = engine.candidate_keys(stored * 16, hashes) if stored else []
+            deadline = time.monotonic() + 5  # the saves' events reach the mirror a moment later
+            while saved and mirror.answer(saved) != [1] * len(saved) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            num_tokens = n * 16 + rng.choice([0, 1, 7])
+            in_process = client.lookup(f"e{i}", num_tokens, hashes)
+            over_zmq = client.zmq.lookup(f"f{i}", num_tokens, hashes)
+            assert in_process == over_zmq == worker.lookup.original(num_tokens, hashes), i
+            expected_calls += bool(in_process.hit_length)  # a hit: its verify-and-lease call; a miss: none
+        stats = connector.get_kv_connector_stats()
+        rows = stats.data[LOOKUP]
+        assert len(rows) == 30
+        assert sum(r["calls"] for r in rows) == expected_calls == len(stats.data.get("lookup_exists", []))
+        misses = [r for r in rows if r["hit_tokens"] == 0]
+        assert all(r["calls"] == 0 for r in misses)  # a miss asks the master nothing ...
+        # ... answered by the mirror (or with nothing to ask: a prompt shorter than a scheduler block)
+        assert all(r["answered_without_call"] == (r["mirror_keys"] > 0) for r in misses)
+        assert sum(r["answered_without_call"] for r in rows) >= 10
+        assert rows[-1]["mirror"]["complete"] == 1 and rows[-1]["mirror"]["keys"] == mirror.stats().keys
+        reduced = stats.reduce()
+        assert reduced["mooncake_keys_without_call"] == sum(r["answered_without_call"] for r in rows)
+    finally:
+        client.close()
+        vllm_workers.release(worker)
+        holder.remove_all(force=True)
+        holder.close()
+    assert mirror.stats().state == "closed"  # the scheduler's close stopped it
+
+
+def test_a_bad_key_events_setting_is_refused_by_name(deployment):
+    cfg = dict(CFG, extra_config=dict(CFG["extra_config"], key_events={"endpoint": "localhost:5557"}))
+    with pytest.raises(Exception, match=r"kv_connector_extra_config\['key_events'\]"):
+        vllm_workers.build_scheduler_connector(cfg)

@@ -5,7 +5,10 @@ client holding a segment (``etcd://``); two lookup engines ask, one through that
 through a lookup-only client (which follows the leader itself). The leader is SIGKILLed while
 both engines keep looking up every 20 ms. Printed as JSON: the latency of every lookup during
 the failover, when hits came back, and whether every prompt saved before still hits in full,
-loads byte-identical, and new saves work.
+loads byte-identical, and new saves work. With ``MK_KEY_EVENTS=1`` every master is started to
+publish its key events (0.3.14's do; 0.3.13.post1's accept the flags and publish nothing) and a
+third engine answers from a key-event mirror of both: dropped at the failover, built again from
+the new leader.
 
 The process ends with ``os._exit``: closing a client set up with ``etcd://`` waits out the
 client's 30 s etcd watch (docs/mooncake.md), and nothing here needs a clean close.
@@ -47,7 +50,9 @@ def main() -> None:
     logging.getLogger("mooncake_keys").addHandler(records)
     rng = random.Random(7)
     out: dict = {}
-    with LocalCluster(masters=2) as cluster:
+    # The masters' binary: MK_MASTER_EXECUTABLE (tests/test_failover.py runs each release's).
+    events = os.environ.get("MK_KEY_EVENTS") == "1"
+    with LocalCluster(masters=2, executable=os.environ.get("MK_MASTER_EXECUTABLE") or None, kv_events=events) as cluster:
         holder = MooncakeStore.connect(cluster.master_address, global_segment_size=64 << 20)
         lookup_only = MooncakeStore.connect(cluster.master_address, lookup_only=True)
         kv = [torch.tensor(list(rng.randbytes(PROMPTS * CHUNKS * BLOCK)), dtype=torch.uint8).reshape(-1, BLOCK)
@@ -56,6 +61,14 @@ def main() -> None:
                            store=holder) for tp in range(2)]
         engines = {name: mk.LookupEngine("ha-model", GROUPS, LAYOUT, hash_block_size=16, store=store)
                    for name, store in (("holder", holder), ("lookup_only", lookup_only))}
+        if events:
+            sources = [{"endpoint": m.events_endpoint, "http": m.http_address} for m in cluster.masters]
+            engines["mirror"] = mk.LookupEngine("ha-model", GROUPS, LAYOUT, hash_block_size=16, store=lookup_only,
+                                                key_events=sources)
+            deadline = time.monotonic() + 15
+            mirror = engines["mirror"].mirror
+            while not mirror.ready and mirror.stats().state != "events off" and time.monotonic() < deadline:
+                time.sleep(0.01)
         prompts = [[rng.randbytes(32) for _ in range(CHUNKS)] for _ in range(PROMPTS)]
         tokens = CHUNKS * 16
         for i, hashes in enumerate(prompts):
@@ -63,6 +76,14 @@ def main() -> None:
                 res = pool.save(tokens, hashes, list(range(i * CHUNKS, (i + 1) * CHUNKS)))
                 assert res.ok, res
         full = tokens + 1  # num_tokens one past the prefix: a full hit is not shortened
+        if events:  # the mirror has every saved key before the lookups start
+            want = PROMPTS * CHUNKS * 2
+            deadline = time.monotonic() + 10
+            while engines["mirror"].mirror.ready and engines["mirror"].mirror.stats().keys < want \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            out["mirror_before"] = engines["mirror"].mirror.stats().__dict__
+            out["mirror_calls_before"] = engines["mirror"].stats().store_calls
         out["before"] = {n: [e.lookup(full, h) for h in prompts] for n, e in engines.items()}
 
         leader = cluster.kill_leader()
@@ -101,6 +122,14 @@ def main() -> None:
         new = [rng.randbytes(32) for _ in range(CHUNKS)]
         saves = [pool.save(tokens, new, list(range(CHUNKS))) for pool in pools]
         out["saves_after"] = all(r.ok and r.stored == r.asked for r in saves)
+        if events:  # the new keys' events reach the mirror a moment after the saves
+            deadline = time.monotonic() + 5
+            while engines["mirror"].lookup(full, new) != tokens and time.monotonic() < deadline:
+                time.sleep(0.02)
+            out["mirror_after"] = engines["mirror"].mirror.stats().__dict__
+            misses = [rng.randbytes(32) for _ in range(CHUNKS)]
+            calls = engines["mirror"].stats().store_calls
+            out["mirror_miss_calls"] = (engines["mirror"].lookup(full, misses), engines["mirror"].stats().store_calls - calls)
         out["new_prompt_hit"] = {n: e.lookup(full, new) for n, e in engines.items()}
         out["log_lines"] = records.lines[:20]
         out["log_line_count"] = len(records.lines)
