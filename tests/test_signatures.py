@@ -41,7 +41,8 @@ def test_no_constructor_takes_arbitrary_keywords():
 
 def test_the_engine_signature_is_the_deployments_and_its_own():
     own = _params(mk.LookupEngine.for_deployment, "deployment")  # store, then the engine's own
-    assert [p.name for p in own] == ["store", "strategy", "rounds_min_keys", "key_cache_bytes", "spare_key_bytes"]
+    assert [p.name for p in own] == ["store", "strategy", "rounds_min_keys", "key_cache_bytes", "spare_key_bytes",
+                                    "key_events"]
     assert _params(mk.LookupEngine.__init__) == POSITIONAL + own[:1] + KEYWORDS + own[1:]
     shown = inspect.signature(mk.LookupEngine)  # what help() and an IDE show
     assert str(shown.parameters["vllm_compat"]) == "vllm_compat: 'Optional[str]' = None"  # None: vLLM 0.33
