@@ -48,7 +48,7 @@ from .layout import ParallelLayout
 from .rounds import ALL, MIN_KEYS as ROUNDS_MIN_KEYS, Rounds, Segment
 from .store_calls import StoreCalls
 
-__all__ = ["LookupEngine", "LookupRecord", "LookupResult", "LookupStats", "STRATEGIES", "TailKeyBoundary"]
+__all__ = ["LookupEngine", "LookupRecord", "LookupResult", "LookupStats", "LeaseKeys", "STRATEGIES", "TailKeyBoundary"]
 
 #: How a lookup asks the store: every key in one call (vLLM's way), or in rounds (.rounds).
 STRATEGIES = ONESHOT, ROUNDS = ("oneshot", "rounds")
@@ -62,6 +62,16 @@ logger = logging.getLogger("mooncake_keys.lookup")
 LAST_HIT_ONLY = "LastHitOnly"
 #: Lease calls one lookup may make before it gives up (each found a key of its hit gone).
 MAX_LEASE_CALLS = 4
+
+
+class LeaseKeys(list):
+    """The keys of a hit's lease call, as :meth:`LookupEngine.steps` yields them when asked to
+    (``share_leases``) instead of making the call: every key the hit loads, to be leased all or
+    none (:meth:`LookupEngine.call_lease`). The caller asks them alone or with other lookups'
+    (their union, one all-or-nothing candidate: :class:`~.batch.LookupBatcher`) and sends back
+    per key whether it exists; every key answered 1 promises that all of them are leased."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -376,8 +386,10 @@ class LookupEngine(DeploymentViews):
     def call_lease(self, keys: List[str]) -> Optional[list]:
         """The lease call of a hit: ``keys`` (every key its load reads) leased all or none, and
         per key whether it exists (1), or None (the fault policy of :meth:`call_store`). A
-        lookup makes it itself (it is its own: Mooncake leases one all-or-nothing set per call);
-        without lease-free probes the lease call is an existence call the lookup yields.
+        lookup makes it itself (Mooncake leases one all-or-nothing set per call), or yields it
+        (:meth:`steps` with ``share_leases``: a batch of lookups leases the union of its hits'
+        keys in one call); without lease-free probes the lease call is an existence call the
+        lookup yields.
 
         ``batch_probe_key(keys, "LastHitOnly", len(keys))`` where the store has lease-free
         probes (one candidate of every key: leased exactly when all exist); else
@@ -526,7 +538,8 @@ class LookupEngine(DeploymentViews):
         return answer
 
     def steps(self, num_tokens: Any, block_hashes: Any, skip_tokens: Any = 0, *,
-              rounds_min_keys: Optional[int] = None, hints: Sequence[int] = ()) -> Steps:
+              rounds_min_keys: Optional[int] = None, hints: Sequence[int] = (),
+              share_leases: bool = False) -> Steps:
         """One lookup, step by step: a generator that yields the keys of each store call it
         needs and takes that call's answers (a list as long as the keys, or None for a failed
         call: see :meth:`call_store`); it returns (hit, number of hashes, per-group presence),
@@ -534,14 +547,18 @@ class LookupEngine(DeploymentViews):
         lookups at once can ask their keys together (``mooncake_keys.lookup.batch``): it may
         ask in rounds from fewer keys than :attr:`rounds_min_keys` (its calls are shared) and
         hint where the stored prefix may end (``hints``, tokens: see :class:`.rounds.Rounds`).
-        Argument errors are raised by the first ``next``."""
+        A hit's lease call with lease-free probes (:meth:`call_lease`'s ``LastHitOnly``) is
+        made by the generator itself, unless ``share_leases``: then it is yielded too, as a
+        :class:`LeaseKeys`, for the caller to lease together with other lookups' (an answer of
+        all 1 must mean that every one of its keys is leased). Argument errors are raised by
+        the first ``next``."""
         start, tally, prepared, mode = self._begin(num_tokens, block_hashes, skip_tokens, rounds_min_keys)
         answer: Optional[Answer] = None
         if mode == ONESHOT:
             keys = self._oneshot_keys(prepared)
             answer = self._oneshot_answer(prepared, keys, (yield keys) if keys else None, tally)
         elif mode is not None:
-            answer = yield from self._in_rounds(prepared, tally, hints, mode == EVERYTHING_FIRST)
+            answer = yield from self._in_rounds(prepared, tally, hints, mode == EVERYTHING_FIRST, share_leases)
         self._finish(tally, answer, start)
         return answer
 
@@ -594,10 +611,11 @@ class LookupEngine(DeploymentViews):
         return self._hit(num_tokens, len(hashes), plan, presence), len(hashes), presence
 
     def _in_rounds(self, prepared: Prepared, tally: List[Any], hints: Sequence[int] = (),
-                   ask_everything: bool = False) -> Steps:
+                   ask_everything: bool = False, share_leases: bool = False) -> Steps:
         """The one-shot answer, asking only until the bounds of the hit meet (see .rounds); the
         rounds answered by the key-event mirror while it is complete, and the hit then leased
-        (and so verified) in one call of its keys, if a round was asked without leases."""
+        (and so verified) in one call of its keys, if a round was asked without leases (that
+        call yielded as :class:`LeaseKeys` with ``share_leases``)."""
         num_tokens, _, hashes, plan, _ = prepared
         dep = self.deployment
         state = Rounds(dep, plan, hints, ask_everything=ask_everything)
@@ -618,7 +636,10 @@ class LookupEngine(DeploymentViews):
                 keys = self._segment_keys(state, segments, hashes)
                 mark = mirror.mark() if mirror is not None else None
                 if self._lease_probes():
-                    results = self.call_lease(keys)  # LastHitOnly: this lookup's own all-or-nothing set
+                    if share_leases:  # leased with other lookups' hits, their union one candidate
+                        results = yield LeaseKeys(keys)
+                    else:  # LastHitOnly: this lookup's own all-or-nothing set
+                        results = self.call_lease(keys)
                 else:
                     # batch_is_exist leases what it finds: an existence call like any other, which
                     # a batch of lookups asks together (a shared prompt's keys once).
