@@ -8,6 +8,7 @@ evicted without an event is found gone by that verify call and forgotten."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import time
 
@@ -135,6 +136,89 @@ def test_a_miss_asks_nothing_a_hit_asks_its_own_keys_once_and_they_are_leased(im
         assert e.mirror.stats().keys == 600 and e.mirror.stats().events == before.events
         assert e.mirror.stats().messages > before.messages  # (a batch of puts can come in fewer messages)
     finally:
+        e.close()
+
+
+class LeaseFree(mk.RecordingStore):
+    """The store double's Mooncake 0.3.14 mode over the real master (lease-free probes; the real
+    0.3.14 client: tests/test_mooncake_newest.py); ``before_lease`` runs before the first
+    LastHitOnly call."""
+
+    def __init__(self, store, before_lease=None):
+        super().__init__(store, leases=True)
+        self.before_lease = before_lease
+
+    def batch_probe_key(self, keys, policy="none", candidate_size=1):
+        if policy == "LastHitOnly" and self.before_lease is not None:
+            hook, self.before_lease = self.before_lease, None
+            hook()
+        return super().batch_probe_key(keys, policy, candidate_size)
+
+
+def digests(tag: str, n: int) -> list:
+    """``n`` hashes of 16 bytes, whatever the length of ``tag``."""
+    return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def burst_of(batcher, requests, seconds=20.0):
+    with batcher._cond:  # one batch: the thread takes them all at once (the lock is reentrant)
+        for name, hashes in requests.items():
+            batcher.submit(name, len(hashes) * 16 + 1, hashes)
+    out, deadline = {}, time.monotonic() + seconds
+    while len(out) < len(requests) and time.monotonic() < deadline:
+        for name in requests:
+            if name not in out and (got := batcher.poll(name)) is not None:
+                out[name] = got.hit_length
+        time.sleep(0.001)
+    assert len(out) == len(requests), out
+    return out
+
+
+def test_a_bursts_hits_are_verified_and_leased_by_one_call_with_lease_free_probes(impl, newest_master,
+                                                                                   newest_store):
+    """Through a LookupBatcher, with a 0.3.14 client's lease calls: the mirror answers every
+    round and the burst's hits are verified and leased by ONE LastHitOnly call, the union of
+    their keys (before: one call per hit). A key removed right before that call: only the lookup
+    whose hit needed it looks again (what that call found is the master's answer: its shorter hit
+    is decided, and leased by its own call), the others are leased by one more call of their
+    union."""
+    from mooncake_keys.lookup.batch import LookupBatcher
+
+    model = f"events-burst-{impl.__name__[-1]}"
+    store = LeaseFree(newest_store)
+    e = engine(store, model, source(newest_master))
+    batcher = LookupBatcher(e)
+    try:
+        wait_for(lambda: e.mirror.ready, what="the mirror")
+        system = digests(model + "-system", 64)
+        requests = {r: system + digests(f"{model}-own{r}", 32) for r in range(8)}
+        shared = e.candidate_keys(64 * 16, system)
+        put(newest_store, shared)
+        wait_for(lambda: e.mirror.stats().keys == len(shared), what="the shared prompt mirrored")
+        assert burst_of(batcher, requests) == {r: 64 * 16 for r in requests}
+        assert store.probe_calls == ["LastHitOnly"] and store.calls == [shared]  # 128 keys, not 8 x 128
+        assert store.leased == [shared] and batcher.stats.lease_calls == 1
+
+        # Every request's whole prompt stored; one key of request 3's own part removed right
+        # before the lease call (the mirror took it for present).
+        requests = {r: digests(f"{model}-2-system", 64) + digests(f"{model}-2-own{r}", 32) for r in range(8)}
+        keys = {r: e.candidate_keys(96 * 16, h) for r, h in requests.items()}
+        for r in requests:
+            put(newest_store, keys[r][128:] if r else keys[r])
+        wait_for(lambda: e.mirror.stats().keys == len(shared) + 128 + 8 * 64, what="the prompts mirrored")
+        gone = keys[3][70 * 2 + 1]
+        store.before_lease = lambda: newest_store.remove(gone)
+        store.calls.clear(), store.probe_calls.clear(), store.leased.clear()
+        got = burst_of(batcher, requests)
+        assert got == {r: 70 * 16 if r == 3 else 96 * 16 for r in requests}
+        assert got[3] == oneshot(newest_store, model).lookup(96 * 16 + 1, requests[3])
+        leases = [(c, l) for c, p, l in zip(store.calls, store.probe_calls, store.leased) if p == "LastHitOnly"]
+        assert gone in leases[0][0] and leases[0][1] == []  # the union of all 8: nothing leased
+        assert set(leases[1][0]) == {k for r in requests if r != 3 for k in keys[r]} and leases[1][1] == leases[1][0]
+        assert leases[-1][0] == keys[3][:70 * 2] == leases[-1][1]  # request 3's shorter hit, leased
+        assert len(leases) == 3 and batcher.stats.lease_calls == 4
+    finally:
+        batcher.close()
         e.close()
 
 

@@ -2,7 +2,8 @@
 ``batch_probe_key``), a lookup in rounds asks with policy ``none`` and ends with one
 ``LastHitOnly`` call of exactly the keys its hit loads; a key gone at that call makes it look
 again, never answer a hit whose keys are not leased. Random deployments and stores, both cores
-(the store double's 0.3.14 mode; the real client: tests/test_mooncake_newest.py)."""
+(the store double's 0.3.14 mode; the real client: tests/test_mooncake_newest.py; a batch's lease
+calls asked together: tests/test_batch_leases.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from hypothesis import given
 from test_rounds import SETTINGS, cases, store_for
 
 import mooncake_keys as mk
-from mooncake_keys.lookup.batch import LookupBatcher
 from mooncake_keys.lookup.engine import MAX_LEASE_CALLS
 
 F, S, G = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.KVCacheGroup
@@ -158,28 +158,3 @@ def test_a_store_without_probes_asks_as_before(impl):
     e = engine(store)
     assert e.lookup(1024 * 16, HASHES) == 300 * 16
     assert e.stats().leased_keys == e.stats().present_keys == store.keys_present
-
-
-def test_the_batcher_leases_each_hit_in_its_own_call(impl):
-    keys = engine(mk.RecordingStore()).candidate_keys(1024 * 16, HASHES)
-    store = mk.RecordingStore(present=set(keys[:300 * 2]), leases=True)
-    e = engine(store)
-    batcher = LookupBatcher(e)
-    try:
-        for r in range(3):
-            batcher.submit(r, 1024 * 16, HASHES)
-        import time
-
-        deadline = time.monotonic() + 10
-        answers = {}
-        while len(answers) < 3 and time.monotonic() < deadline:
-            for r in range(3):
-                a = batcher.poll(r)
-                if a is not None:
-                    answers[r] = a.hit_length
-            time.sleep(0.001)
-    finally:
-        batcher.close()
-    assert answers == {0: 300 * 16, 1: 300 * 16, 2: 300 * 16}
-    lease_calls = [c for c, p in zip(store.calls, store.probe_calls) if p == "LastHitOnly"]
-    assert lease_calls == [keys[:300 * 2]] * 3

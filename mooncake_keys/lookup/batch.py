@@ -10,6 +10,17 @@ once) and hands each lookup its own answers: each answer is exactly the one its 
 have alone (the same steps, :meth:`LookupEngine.steps`, fed the same answer per key). Lookups
 submitted while a call is in flight go together in the next one.
 
+**Lease calls together.** With lease-free probes (Mooncake 0.3.14's ``batch_probe_key``) a hit
+ends with a lease call of exactly its keys, all or none (:meth:`LookupEngine.call_lease`); the
+lookups that reach it in the same batch are leased by one call: the union of their keys (each
+key once) as one all-or-nothing candidate. Every key there: every one of those hits is leased,
+and answered. A key gone: nothing was leased; the lookups with a key gone get what that call
+found (as their own lease call would have answered: they look again without it), and the
+others are leased by one more call of their union (:meth:`LookupBatcher._lease` says why that
+fallback and how far it goes). No lookup is answered a hit whose keys are not all leased. With
+a 0.3.13 client the lease call is a ``batch_is_exist`` like the rounds' calls, shared as they
+are.
+
 **One table.** A lookup is in :attr:`LookupBatcher` 's table from :meth:`submit` until its
 answer is taken (:meth:`poll`) or it is discarded, whatever the thread is doing with it: there
 is no moment at which a submitted lookup is in no table (:meth:`pending` is True all along), and
@@ -53,7 +64,7 @@ from collections import OrderedDict
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 from .._checks import seconds_arg
-from .engine import LookupEngine, LookupResult, Steps
+from .engine import LeaseKeys, LookupEngine, LookupResult, Steps
 from .hashes import as_block_hashes
 
 #: How many recent requests' hashes tell a shared prefix from a request's own part.
@@ -72,6 +83,9 @@ REUSE_S = 1.0
 #: counted from the moment the call was sent: a reused present answer is still leased when it
 #: is used, with at least 90 % of a fresh answer's lease left for the load that follows.
 REUSE_LEASE_FRACTION = 0.1
+#: Lease calls of one batch asked as one union before each lookup left asks its own (the first
+#: union found a key gone, the second the union of the lookups whose keys all existed).
+LEASE_UNIONS = 2
 
 __all__ = ["LookupBatcher", "BatchStats", "reuse_window"]
 
@@ -91,13 +105,15 @@ class BatchStats:
     """Counters since the batcher started: store calls, keys asked in them (each distinct key
     of a call once), keys the lookups wanted (with repeats across lookups), keys answered from
     the last call's answers, lookups submitted, answered, discarded, replaced (submitted again
-    while under way) and started again (their answers forgotten, :meth:`LookupBatcher.forget_answers`)."""
+    while under way) and started again (their answers forgotten, :meth:`LookupBatcher.forget_answers`);
+    ``lease_calls``: of the calls, those that leased hits with lease-free probes (Mooncake
+    0.3.14's ``LastHitOnly``: a batch's hits together, see :meth:`LookupBatcher._lease`)."""
 
     __slots__ = ("calls", "keys_asked", "keys_wanted", "keys_reused", "submitted", "answered", "discarded",
-                 "replaced", "restarted")
+                 "replaced", "restarted", "lease_calls")
 
     def __init__(self) -> None:
-        self.calls = self.keys_asked = self.keys_wanted = self.keys_reused = 0
+        self.calls = self.keys_asked = self.keys_wanted = self.keys_reused = self.lease_calls = 0
         self.submitted = self.answered = self.discarded = self.replaced = self.restarted = 0
 
     def as_dict(self) -> Dict[str, int]:
@@ -312,7 +328,8 @@ class LookupBatcher:
                hints: Tuple[int, ...]) -> None:
         """Begin one lookup: its first keys, or its answer if it needs no call."""
         try:
-            steps = self.engine.steps(num_tokens, block_hashes, skip_tokens, rounds_min_keys=0, hints=hints)
+            steps = self.engine.steps(num_tokens, block_hashes, skip_tokens, rounds_min_keys=0, hints=hints,
+                                      share_leases=True)
             self._advance(key, lk, gen, steps, next(steps))
         except StopIteration as done:
             self._finish(key, lk, gen, done.value)
@@ -334,7 +351,8 @@ class LookupBatcher:
                 self.stats.answered += 1
 
     def _call(self) -> None:
-        """One store call for every lookup waiting for one, each key once."""
+        """One store call for every lookup waiting for an existence call, each key once, and one
+        lease call for every lookup waiting for its hit's lease (:meth:`_lease`)."""
         with self._cond:
             batch = [(key, lk, lk.gen, lk.steps, lk.keys) for key, lk in self._waiting.items()]
             self._waiting.clear()
@@ -344,6 +362,29 @@ class LookupBatcher:
             last = self._last if time.monotonic() < self._last_until else {}
         if not batch:
             return
+        asking = [item for item in batch if type(item[4]) is not LeaseKeys]
+        leasing = [item for item in batch if type(item[4]) is LeaseKeys]
+        answers: Dict[Hashable, Optional[list]] = {}
+        if asking:
+            answers.update(self._exist(asking, last, epoch))
+        if leasing:
+            answers.update(zip((item[0] for item in leasing), self._lease([item[4] for item in leasing])))
+        for key, lk, gen, steps, keys in batch:
+            with self._cond:
+                if not self._current(key, lk, gen):
+                    continue  # discarded, submitted anew or started again: dropped
+            try:
+                self._advance(key, lk, gen, steps, steps.send(answers[key]))
+            except StopIteration as done:
+                self._finish(key, lk, gen, done.value)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("lookup %r answered 0: %s: %s", key, type(exc).__name__, exc)
+                self._finish(key, lk, gen, None)
+
+    def _exist(self, batch: List[Tuple[Hashable, _Lookup, int, Steps, List[str]]], last: Dict[str, Any],
+               epoch: int) -> Dict[Hashable, Optional[list]]:
+        """The existence call of ``batch`` (each key once, those of ``last`` answered from it):
+        each lookup's answers (None: the call failed)."""
         wanted = [k for item in batch for k in item[4]]
         merged = [k for k in dict.fromkeys(wanted) if k not in last]  # each key once, not just answered
         known: Optional[Dict[str, Any]] = dict(last)
@@ -366,15 +407,60 @@ class LookupBatcher:
         self.stats.keys_wanted += len(wanted)
         if last:
             self.stats.keys_reused += sum(1 for k in wanted if k in last)
-        for key, lk, gen, steps, keys in batch:
-            with self._cond:
-                if not self._current(key, lk, gen):
-                    continue  # discarded, submitted anew or started again: dropped
-            own = None if known is None else [known[k] for k in keys]
-            try:
-                self._advance(key, lk, gen, steps, steps.send(own))
-            except StopIteration as done:
-                self._finish(key, lk, gen, done.value)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("lookup %r answered 0: %s: %s", key, type(exc).__name__, exc)
-                self._finish(key, lk, gen, None)
+        return {key: None if known is None else [known[k] for k in keys] for key, _, _, _, keys in batch}
+
+    def _lease(self, wanted: List[LeaseKeys]) -> List[Optional[list]]:
+        """The lease calls of hits reached in one batch, asked together: per lookup, the answers
+        to its keys (None: a failed call), all 1 only where a call leased every one of them.
+
+        Mooncake 0.3.14 leases one all-or-nothing set per call (``LastHitOnly``), so the union
+        of the hits' keys (each key once: a shared prompt's once for the batch) is that set: if
+        every key exists, every hit is leased by one call. If some key is gone, nothing was
+        leased; a lookup with a key gone is answered what that call found, as its own lease call
+        would have been (a key gone, nothing leased: it looks again without it). The others'
+        keys all exist but are not leased: their union is asked once more. Not the first union
+        minus the gone keys: that would lease the keys of the lookups that go on to a shorter
+        hit, keys they will not load, while those lookups lease their new hits anyway. A key gone
+        again by then (evictions within the moment between the two calls) leaves each remaining
+        lookup to its own call: at most two unions and one call per lookup, at most the union's
+        keys twice beside the keys the lookups would ask alone. Answers are never reused here: a
+        lease call is the call that takes the lease."""
+        answers: List[Optional[list]] = [None] * len(wanted)
+        todo = list(range(len(wanted)))
+        for _ in range(LEASE_UNIONS):
+            if len(todo) <= 1:
+                break
+            union = list(dict.fromkeys(k for i in todo for k in wanted[i]))
+            got = self._ask_lease(union, sum(len(wanted[i]) for i in todo))
+            if got is None:
+                return answers  # a failed call: each lookup in it answers 0, as with its own
+            if self._all_present(got):  # every key exists, and the call leased them all
+                for i in todo:
+                    answers[i] = [1] * len(wanted[i])
+                return answers
+            known = dict(zip(union, got))
+            rest = []
+            for i in todo:
+                own = [known[k] for k in wanted[i]]
+                if self._all_present(own):
+                    rest.append(i)  # its keys exist, but the union held a gone key: not leased
+                else:
+                    answers[i] = own
+            todo = rest
+        for i in todo:  # one lookup (alone in its batch), or the unions kept finding a key gone
+            answers[i] = self._ask_lease(list(wanted[i]), len(wanted[i]))
+        return answers
+
+    def _all_present(self, answers: list) -> bool:
+        """Whether every answer is present (exactly 1, as the lookups read them: the core's rule)."""
+        return self.engine.deployment.reduce(answers, 1)[1] == len(answers)
+
+    def _ask_lease(self, keys: List[str], wanted: int) -> Optional[list]:
+        """One lease call of ``keys`` (``wanted``: the keys of the lookups it is for, repeats
+        counted): its answers, or None."""
+        got = self.engine.call_lease(keys)
+        self.stats.calls += 1
+        self.stats.lease_calls += 1
+        self.stats.keys_asked += len(keys)
+        self.stats.keys_wanted += wanted
+        return got
