@@ -61,9 +61,29 @@ def test_with_key_events_a_miss_asks_nothing_and_a_hit_one_call(newest_client):
     assert run["leased"] == 600 and run["leased_are_the_hit"]
 
 
+def test_a_bursts_hits_are_leased_by_one_call_of_the_union_of_their_keys(newest_client):
+    """Through a LookupBatcher, 8 hits on a shared 200-chunk prompt: one LastHitOnly call of its
+    400 keys (before: one per hit, 8 x 400), all leased; a key of one request removed right
+    before the lease call: that call (all 8's keys) leases nothing, one more of the 7 others'
+    union leases theirs, and the one request's shorter hit is leased by its own call. Key by key,
+    the master's leases are then exactly the keys of the hits."""
+    for run in (newest_client["newest"]["burst"], newest_client["newest_events"]["burst"]):
+        assert run["hits"] == {str(r): 200 * 16 for r in range(8)}
+        assert run["lease_calls"] == [400] and run["leased_are_the_shared_prompt"]
+        assert run["gone_hits"] == {str(r): (210 if r == 3 else 232) * 16 for r in range(8)}
+        assert run["gone_lease_calls"] == [8 * 64 + 400, 7 * 64 + 400, 210 * 2]
+        assert run["gone_leased_are_the_hits"]
+    events = newest_client["newest_events"]["burst"]
+    assert events["calls"] == 1 and events["keys_asked"] == 400  # the mirror answered every round
+
+
 def test_with_a_01313_master_the_client_asks_batch_is_exist(newest_client):
     run = newest_client["installed"]
     assert run["master"] == "0.3.13.post1" and run["lease_probes"] is False
     assert run["hit"] == 300 * 16
     # batch_is_exist leases what it finds: the hit, and what the rounds asked past it.
     assert run["leased"] >= 600 and run["stats"]["leased_keys"] == run["stats"]["present_keys"]
+    burst = run["burst"]  # a batch's rounds shared, as before; no lease call
+    assert burst["hits"] == {str(r): 200 * 16 for r in range(8)} and burst["lease_calls"] == []
+    assert burst["gone_hits"] == {str(r): 232 * 16 for r in range(8)} and burst["gone_lease_calls"] == []
+    assert burst["gone_leased_are_the_hits"]
