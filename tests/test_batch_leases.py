@@ -100,10 +100,11 @@ def test_a_burst_of_hits_is_leased_by_one_call_and_each_answer_is_its_own(impl, 
     finally:
         batcher.close()
     for name, hashes in requests.items():
-        alone = engine(mk.RecordingStore(present=present, leases=True), groups).lookup_result(len(hashes) * 16 + 1, hashes)
+        tokens = len(hashes) * 16 + 1
+        alone = engine(mk.RecordingStore(present=present, leases=True), groups).lookup_result(tokens, hashes)
         assert answers[name] == alone, name
         assert alone == engine(mk.RecordingStore(present=present), groups, strategy="oneshot").lookup_result(
-            len(hashes) * 16 + 1, hashes)
+            tokens, hashes)
     assert all(a.hit_length > 0 for a in answers.values())
     calls = lease_calls(store)
     assert len(calls) == 1 and batcher.stats.lease_calls == 1  # before: one per hit, 32
