@@ -8,6 +8,8 @@ is installed), ``sidebyside`` (every implementation timed in one run), ``on_mast
 a real ``mooncake_master`` by hit fraction), ``in_scheduler`` (the in-scheduler lookup against
 the ZMQ round trip), ``burst`` (a burst of requests sharing a system prompt, in vLLM's scheduler),
 ``engine``/``engine_run`` (vLLM's real CPU engine with a real master, in a child process),
+``serve``/``vllm_bench_serve`` (``vllm serve`` instances and vLLM's own ``vllm bench serve``;
+``serve_bench`` and ``serve_demo`` run them),
 ``explain`` (for ``mooncake_keys explain``), ``table`` (the text tables they print), ``suite`` (the whole ``mooncake_keys bench`` run: the side-by-side table,
 the sweep, the scaling, the plots) and ``demo`` (the serving workload of ``mooncake_keys
 demo``)."""
