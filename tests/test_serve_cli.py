@@ -108,6 +108,8 @@ def fake_row(run, instance, workload, ttft, keys, calls_per=1.0):
     after.setdefault("vllm:mooncake_store_operation_keys_total", []).append(
         ({"operation": "lookup_exists"}, float(keys * n)))
     after["vllm:mooncake_store_operation_keys_total"].append(({"operation": "load_get"}, 64.0 * n))
+    after["vllm:request_queue_time_seconds_sum"] = [({}, 0.032 * n)]
+    after["vllm:request_queue_time_seconds_count"] = [({}, float(n))]
     after.setdefault("vllm:mooncake_keys_lookups_total", []).append(
         ({"side": "scheduler", "outcome": "hit"}, float(n if run.connector == "fast" else 0)))
     result = {"total_input_tokens": n * 2176, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_ttft_ms": ttft,
@@ -139,6 +141,8 @@ def test_a_row_is_what_the_servers_counters_gained_during_its_workload():
     assert (row["sched_calls"], row["sched_ms"]) == (32, pytest.approx(64.0))
     assert row["sched_ms_worst_step"] == pytest.approx(32.0)  # 16 calls of 2 ms in each of two steps
     assert (row["ttft_ms_p50"], row["ttft_ms_p99"]) == (100.0, 200.0)
+    assert row["queue_ms"] == pytest.approx(32.0)  # vLLM's histogram: its sum over its count
+    assert row["prefill_ms"] != row["prefill_ms"]  # no such histogram: nan, not 0
     assert measured()[1]["answered_by"] == "vLLM rank 0"
 
 

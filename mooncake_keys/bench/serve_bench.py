@@ -18,7 +18,8 @@ shared by many requests, each request with a suffix of its own; greedy; a seed p
 Per run, instance, workload and round (:func:`row`): vLLM's own figures (time to first token p50
 and p99, request throughput), from the running server's ``/metrics`` the master's lookup calls
 and keys (vLLM's ``lookup_exists`` records: the drop-in keeps them) and the keys loaded, per
-request, the external and local prefix-cache hits, and, timed in the engine core, the
+request, the external and local prefix-cache hits, where the first token waited (vLLM's own
+per-request histograms: queued, then in prefill), and, timed in the engine core, the
 scheduler's time in ``get_num_new_matched_tokens`` (total, per call, the worst step). Every
 instance's generated texts must equal the first one's (RuntimeError otherwise). :func:`summary`
 keeps the median over rounds; the targets (:func:`targets`) are B's figures over vLLM's
@@ -183,14 +184,26 @@ def row(run: Run, instance: str, workload_name: str, workload: Workload, result:
         "sched_calls": len(calls), "sched_ms": sum(c.seconds for c in calls) * 1e3,
         "sched_us_per_call": statistics.median(c.seconds for c in calls) * 1e6 if calls else 0.0,
         "sched_ms_worst_step": max(per_step.values(), default=0.0) * 1e3,
+        # Where a request's first token waited, vLLM's own per-request histograms (means, ms): in
+        # the front end (arrival to queued: the HTTP server, tokenization), queued (to its first
+        # schedule: lookups among it), then in prefill (to its first token: loads among it).
+        "server_ttft_ms": _mean(added, "vllm:time_to_first_token_seconds"),
+        "queue_ms": _mean(added, "vllm:request_queue_time_seconds"),
+        "prefill_ms": _mean(added, "vllm:request_prefill_time_seconds"),
         "texts": list(result["generated_texts"]),
     }
+
+
+def _mean(added: Callable[..., float], histogram: str) -> float:
+    count = added(histogram + "_count")
+    return added(histogram + "_sum") / count * 1e3 if count else math.nan
 
 
 #: The figures of a row that :func:`summary` takes the median of, over rounds.
 FIGURES = ("prompt_tokens", "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "request_throughput", "duration_s",
            "external_hits", "local_hits", "master_calls_per_request", "master_keys_per_request",
-           "loaded_keys_per_request", "sched_calls", "sched_ms", "sched_us_per_call", "sched_ms_worst_step")
+           "loaded_keys_per_request", "sched_calls", "sched_ms", "sched_us_per_call", "sched_ms_worst_step",
+           "server_ttft_ms", "queue_ms", "prefill_ms")
 
 
 def summary(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -218,7 +231,8 @@ COLUMNS = (("workload", "workload", "8"), ("run", "run", "26"), ("inst", "instan
            ("TTFT p99", "ttft_ms_p99", "8.0f"), ("req/s", "request_throughput", "6.2f"),
            ("calls/req", "master_calls_per_request", "9.2f"), ("keys/req", "master_keys_per_request", "8.1f"),
            ("loaded/req", "loaded_keys_per_request", "10.1f"), ("sched ms", "sched_ms", "8.1f"),
-           ("us/call", "sched_us_per_call", "7,.0f"), ("worst step ms", "sched_ms_worst_step", "13.1f"))
+           ("us/call", "sched_us_per_call", "7,.0f"), ("worst step ms", "sched_ms_worst_step", "13.1f"),
+           ("queued ms", "queue_ms", "9.0f"), ("prefill ms", "prefill_ms", "10.0f"))
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:

@@ -5,8 +5,8 @@ default config, and vLLM's own load generator (``vllm bench serve``) against eac
 It builds the tiny model of :func:`.engine.tiny_model` (no download), starts a master and a
 holder client that owns the store's memory (:class:`.engine.EngineStore`: the holder topology
 of docs/vllm.md), then two instances side by side, each a process of its own with its own lookup
-socket. Instance 1 serves a workload of prompts sharing system prompts (vLLM's
-``prefix_repetition`` dataset, greedy) and saves their KV; instance 2 serves the same workload
+socket. Instance 1 serves a workload of prompts sharing system prompts, each with a long part of
+its own (vLLM's ``prefix_repetition`` dataset, greedy), and saves their KV; instance 2 serves the same workload
 and loads it. Per instance: the tokens its prefix cache and the store answered (vLLM's own
 counters, from its ``/metrics``), time to first token p50 / p99 (vLLM's benchmark), who answered
 the lookups, and whether its outputs are instance 1's.
@@ -26,8 +26,10 @@ from .table import text_table
 
 __all__ = ["DEMO_WORKLOAD", "run_serve_demo", "format_report"]
 
-#: 2 system prompts of 2,048 tokens, 8 requests each with 256 tokens of its own, all at once.
-DEMO_WORKLOAD = Workload(num_prefixes=2, prompts_per_prefix=8, prefix_len=2048, suffix_len=256, output_len=16, seed=0)
+#: 16 requests at once: 2 system prompts of 1,024 tokens, 8 requests each with 2,048 tokens of its
+#: own (a document, a conversation): what the first instance computes, the second loads.
+DEMO_WORKLOAD = Workload(num_prefixes=2, prompts_per_prefix=8, prefix_len=1024, suffix_len=2048, output_len=16,
+                         seed=0)
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
 
