@@ -2,9 +2,11 @@
 # One entry point for a fresh machine: installs what it needs, then runs the job.
 #   bash scripts/dev.sh demo    # the main job: a serving workload on the embedded default store
 #   bash scripts/dev.sh demo --vllm   # vLLM's real engine on the CPU serving prompts twice through the drop-in
+#   bash scripts/dev.sh demo --serve  # two `vllm serve` instances on one store, vLLM's own load generator against each
 #   bash scripts/dev.sh test    # the whole test suite: both cores, real Mooncake, every vLLM release's own code
 #   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench), vLLM 0.33 beside
 #   bash scripts/dev.sh bench --engine   # vLLM's real engine on the CPU: its connector against the drop-in
+#   bash scripts/dev.sh bench --serve    # `vllm serve` + `vllm bench serve`, two instances per connector
 #   MOONCAKE_KEYS_SUITE_TAG=<tag> bash scripts/dev.sh leftovers   # "PID NAME" of what a suite left running
 #
 # Everything Python goes into the project venv .venv (never the system interpreter). What the
@@ -392,7 +394,7 @@ given() {  # $1: an argument; the rest: the arguments given. True when it is amo
 cmd_demo() {
   install_system
   install_python mooncake
-  if given --vllm "$@"; then  # vLLM's real engine: in the engine venv
+  if given --vllm "$@" || given --serve "$@"; then  # vLLM's real engine: in the engine venv
     local engine; engine=$(engine_venv)
     "$engine/bin/python" -m mooncake_keys demo "$@"
   else
@@ -403,7 +405,7 @@ cmd_demo() {
 cmd_bench() {
   install_system
   install_python mooncake,bench
-  if given --engine "$@"; then  # vLLM's real engine: in the engine venv
+  if given --engine "$@" || given --serve "$@"; then  # vLLM's real engine: in the engine venv
     local engine; engine=$(engine_venv)
     "$engine/bin/python" -m mooncake_keys bench "$@"
     return

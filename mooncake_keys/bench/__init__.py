@@ -8,6 +8,7 @@ package carries no test harness), ``sidebyside`` (every implementation timed in 
 ``on_master`` (lookups on a real ``mooncake_master`` by hit fraction), ``in_scheduler`` (the
 in-scheduler lookup against the ZMQ round trip), ``burst`` (a burst of requests sharing a system
 prompt, in vLLM's scheduler), ``engine``/``engine_run`` (vLLM's real CPU engine with a real
-master, in a child process), ``table`` (the text tables they print), ``suite`` (the whole ``mooncake_keys bench`` run: the side-by-side table,
+master, in a child process), ``serve``/``vllm_bench_serve`` (``vllm serve`` instances and vLLM's own
+``vllm bench serve``; ``serve_bench`` and ``serve_demo`` run them), ``table`` (the text tables they print), ``suite`` (the whole ``mooncake_keys bench`` run: the side-by-side table,
 the sweep, the scaling, the plots) and ``demo`` (the serving workload of ``mooncake_keys
 demo``)."""

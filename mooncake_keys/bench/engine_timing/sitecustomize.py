@@ -10,10 +10,16 @@ engine-core process that runs the scheduler, and counts the scheduler's steps (i
 1 if it answered or 0 if its asynchronous lookup was still pending, the request's id) to
 ``<folder>/matched-<pid>.txt``, outside the timed region: the engine core is killed at
 shutdown, so nothing waits for an exit hook.
+
+It also writes the KV-cache groups the scheduler holds, once it is built, to
+``<folder>/groups-<pid>.json`` (per group: its spec's class, block size, sliding window, layers,
+and the manager vLLM's coordinator runs for it, with the coordinator's class): whether vLLM's
+hybrid KV-cache manager really keeps a model's groups apart.
 """
 
 import importlib.abc
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -45,15 +51,39 @@ def _time_lookups(module):
     cls.get_num_new_matched_tokens = timed
 
 
+def _write_groups(scheduler):
+    coordinator = scheduler.kv_cache_manager.coordinator
+    managers = getattr(coordinator, "single_type_managers", ())
+    groups = []
+    for i, group in enumerate(scheduler.kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        groups.append({"spec": type(spec).__name__, "block_size": spec.block_size,
+                       "sliding_window": getattr(spec, "sliding_window", None), "layers": len(group.layer_names),
+                       "manager": type(managers[i]).__name__ if i < len(managers) else None,
+                       "coordinator": type(coordinator).__name__})
+    with open(os.path.join(_OUT, f"groups-{os.getpid()}.json"), "w") as f:
+        json.dump(groups, f)
+
+
 def _count_steps(module):
     cls = module.Scheduler
     inner = cls.schedule
+    init = cls.__init__
 
     def counted(self, *args, **kwargs):
         _step[0] += 1
         return inner(self, *args, **kwargs)
 
+    def built(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        try:
+            _write_groups(self)
+        except Exception as exc:  # noqa: BLE001 - never the engine's failure; the reader sees why
+            with open(os.path.join(_OUT, f"groups-{os.getpid()}.json"), "w") as f:
+                json.dump({"error": f"{type(exc).__name__}: {exc}"}, f)
+
     cls.schedule = counted
+    cls.__init__ = built
 
 
 _PATCHES = {_CONNECTOR: _time_lookups, _SCHEDULER: _count_steps}
