@@ -129,7 +129,9 @@ def test_the_last_calls_answers_serve_the_next_lookups_within_the_lease_only(mon
     hashes = [bytes([i]) * 16 for i in range(8)]
     layout = mk.ParallelLayout(tp_size=2, num_kv_heads=2)
     store = mk.RecordingStore(1)
-    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], layout, hash_block_size=16, store=store), lease_s=10.0)
+    now = [100.0]
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], layout, hash_block_size=16, store=store), lease_s=10.0,
+                            clock=lambda: now[0])
     try:
         assert batcher.reuse_s == batch_mod.REUSE_S == 1.0
         batcher.submit("first", 128, hashes)
@@ -138,8 +140,8 @@ def test_the_last_calls_answers_serve_the_next_lookups_within_the_lease_only(mon
         batcher.submit("second", 128, hashes[:6])  # every key answered by the last call
         assert answers_of(batcher, ["second"])["second"].hit_length == 96
         assert store.keys_asked == asked and first.hit_length == 112
-        assert batcher.stats.keys_reused == 12
-        batcher._last_until = 0.0  # the window is over
+        assert batcher.stats.keys_reused >= 12  # the second lookup's 12 keys, each round's
+        now[0] += 1.0  # the window is over
         batcher.submit("third", 128, hashes[:6])
         assert answers_of(batcher, ["third"])["third"].hit_length == 96
         assert store.keys_asked == asked + 12  # asked again
@@ -159,6 +161,37 @@ def test_the_last_calls_answers_serve_the_next_lookups_within_the_lease_only(mon
     for bad, error in ((0, ValueError), (-1.0, ValueError), ("10", TypeError), (float("inf"), ValueError)):
         with pytest.raises(error, match="lease_s"):
             LookupBatcher(batcher.engine, lease_s=bad)
+
+
+def test_each_present_answer_is_reused_for_its_own_window():
+    """Requests that interleave two system prompts: each prompt's keys are reused from whichever
+    call answered them, until their own call's window ends (the reuse of the last call alone
+    asked A's prompt again after a lookup of B's). An answer served from reuse keeps its call's
+    time: it took no lease of its own."""
+    layout = mk.ParallelLayout(tp_size=2, num_kv_heads=2)
+    store = mk.RecordingStore(1)
+    now = [50.0]
+    batcher = LookupBatcher(mk.LookupEngine("m", [F(16)], layout, hash_block_size=16, store=store), lease_s=10.0,
+                            clock=lambda: now[0])
+    prompt_a = [bytes([1, i]) * 8 for i in range(6)]
+    prompt_b = [bytes([2, i]) * 8 for i in range(6)]
+    try:
+        for name, hashes in (("a1", prompt_a), ("b1", prompt_b)):
+            batcher.submit(name, 96, hashes)
+            assert answers_of(batcher, [name])[name].hit_length == 80
+        asked = store.keys_asked
+        now[0] += 0.5
+        for name, hashes in (("a2", prompt_a), ("b2", prompt_b), ("a3", prompt_a)):
+            batcher.submit(name, 96, hashes)
+            assert answers_of(batcher, [name])[name].hit_length == 80
+        assert store.keys_asked == asked  # both prompts' keys answered from their own calls
+        assert batcher.sizes()["reused_answers"] == 24
+        now[0] += 0.6  # 1.1 s after the first calls: their window is over, though reused since
+        batcher.submit("a4", 96, prompt_a)
+        assert answers_of(batcher, ["a4"])["a4"].hit_length == 80
+        assert store.keys_asked == asked + 12  # asked again
+    finally:
+        batcher.close()
 
 
 def test_a_key_answered_absent_is_asked_again_and_one_answered_present_is_reused():

@@ -27,12 +27,15 @@ is no moment at which a submitted lookup is in no table (:meth:`pending` is True
 the thread drops whatever it was doing for a lookup that left the table (or was submitted anew)
 meanwhile.
 
-**Reused answers.** A key the last call answered present is not asked again for a short while
+**Reused answers.** A key a call answered present is not asked again for a short while
 (:func:`reuse_window`): on Mooncake it holds a read lease (the master's
 ``--default_kv_lease_ttl``) from that call on, so it cannot be evicted or removed (without
 force) during the lease, and a fresh ask would answer the same. Answers are reused only when
-the lease is known (``lease_s``), for at most :data:`REUSE_LEASE_FRACTION` of it from the moment
-the call was sent and never more than :data:`REUSE_S`; with the lease unknown, never. A key
+the lease is known (``lease_s``), each for at most :data:`REUSE_LEASE_FRACTION` of it from the
+moment the call that answered it was sent (an answer served from reuse keeps that time: it took
+no lease of its own) and never more than :data:`REUSE_S`; with the lease unknown, never. Each
+key keeps its own time, so requests that interleave several system prompts find each prompt's
+keys answered whichever call asked them last. A key
 answered absent is always asked again (it may have been saved since). :meth:`forget_answers`
 (after a removal the caller knows of: vLLM's reset, which removes every key with force) drops
 every answer got before it: reused ones, and those of lookups under way, which start again.
@@ -42,7 +45,8 @@ So every answer is the one a lookup asking the store alone would get at the time
 :data:`RECENT_HASHES` of each (one 8-byte digest per hash, and one count per distinct digest):
 at most 262,144 digests whatever the number of requests. Each lookup under way holds its
 arguments and its step state (the keys of its next call) until its answer is taken or it is
-discarded; the reused answers are those of the last call alone.
+discarded; the reused answers are the keys answered present within the reuse window, at most
+:data:`MAX_REUSED` of them (the oldest go first).
 
 Lookups in a batch ask in rounds (:mod:`.rounds`, where the engine's strategy allows), at any
 size: their calls are shared, so a round costs no extra trip of its own. Each lookup's first
@@ -61,7 +65,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 from .._checks import seconds_arg
 from .engine import LeaseKeys, LookupEngine, LookupResult, Steps
@@ -83,6 +87,8 @@ REUSE_S = 1.0
 #: counted from the moment the call was sent: a reused present answer is still leased when it
 #: is used, with at least 90 % of a fresh answer's lease left for the load that follows.
 REUSE_LEASE_FRACTION = 0.1
+#: The most present answers kept for reuse (keys; about 150 bytes each with a 128-character key).
+MAX_REUSED = 1 << 20
 #: Lease calls of one batch asked as one union before each lookup left asks its own (the first
 #: union found a key gone, the second the union of the lookups whose keys all existed).
 LEASE_UNIONS = 2
@@ -142,17 +148,18 @@ class LookupBatcher:
 
     Lookups are named by a hashable key of the caller's (vLLM: the request id). ``lease_s`` is
     the master's read lease in seconds (Mooncake's ``--default_kv_lease_ttl``; None: unknown,
-    and no answer is reused). The thread starts with the first lookup and stops at
+    and no answer is reused); ``clock`` (seconds) times the reuse of answers. The thread starts with the first lookup and stops at
     :meth:`close`.
     """
 
     def __init__(self, engine: LookupEngine, *, lease_s: Optional[float] = None,
-                 name: str = "mooncake_keys-lookups") -> None:
+                 name: str = "mooncake_keys-lookups", clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(engine, LookupEngine):
             raise TypeError(f"engine must be a LookupEngine, got {type(engine).__name__}")
         self.engine = engine
-        #: Seconds the last call's answers are reused, from when it was sent (0: never).
+        #: Seconds a present answer is reused, from when its call was sent (0: never).
         self.reuse_s = reuse_window(lease_s)
+        self._clock = clock
         self.stats = BatchStats()
         self._name = name
         self._cond = threading.Condition()
@@ -162,9 +169,9 @@ class LookupBatcher:
         self._waiting: Dict[Hashable, _Lookup] = {}  # started, waiting for the next call
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        # The last call's answers (key -> answer), reused until _last_until; guarded by _cond.
-        self._last: Dict[str, Any] = {}
-        self._last_until = 0.0
+        # The keys answered present, each with the time until which it is reused, oldest first
+        # (calls are sent in time order); replaced, not changed, by forget_answers. The thread's.
+        self._reused: "OrderedDict[str, float]" = OrderedDict()
         self._epoch = 0  # raised by forget_answers: a call sent before it is not reused
         # The thread's own: the digests of recent requests' first hashes, and how many of those
         # requests hold each digest.
@@ -218,7 +225,7 @@ class LookupBatcher:
         and not yet taken starts again, on the store as it is from now on."""
         with self._cond:
             self._epoch += 1
-            self._last, self._last_until = {}, 0.0
+            self._reused = OrderedDict()
             for key, lk in self._lookups.items():
                 lk.gen += 1
                 lk.state, lk.steps, lk.keys, lk.result = _QUEUED, None, [], None
@@ -234,7 +241,7 @@ class LookupBatcher:
         with self._cond:
             return {"lookups": len(self._lookups), "queued": len(self._queued), "waiting": len(self._waiting),
                     "recent_requests": len(self._recent), "recent_hashes": self._kept,
-                    "distinct_hashes": len(self._seen), "reused_answers": len(self._last)}
+                    "distinct_hashes": len(self._seen), "reused_answers": len(self._reused)}
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread (after the call in flight, if any); lookups under way are dropped."""
@@ -359,7 +366,13 @@ class LookupBatcher:
             for _, lk, _, _, _ in batch:
                 lk.state = _CALLING
             epoch = self._epoch
-            last = self._last if time.monotonic() < self._last_until else {}
+            last = self._reused
+        now = self._clock()
+        while last:  # the answers whose window is over (the oldest first)
+            key, until = next(iter(last.items()))
+            if until > now:
+                break
+            del last[key]
         if not batch:
             return
         asking = [item for item in batch if type(item[4]) is not LeaseKeys]
@@ -381,15 +394,17 @@ class LookupBatcher:
                 logger.warning("lookup %r answered 0: %s: %s", key, type(exc).__name__, exc)
                 self._finish(key, lk, gen, None)
 
-    def _exist(self, batch: List[Tuple[Hashable, _Lookup, int, Steps, List[str]]], last: Dict[str, Any],
-               epoch: int) -> Dict[Hashable, Optional[list]]:
-        """The existence call of ``batch`` (each key once, those of ``last`` answered from it):
-        each lookup's answers (None: the call failed)."""
+    def _exist(self, batch: List[Tuple[Hashable, _Lookup, int, Steps, List[str]]],
+               last: "OrderedDict[str, float]", epoch: int) -> Dict[Hashable, Optional[list]]:
+        """The existence call of ``batch`` (each key once, those of ``last``, the keys answered
+        present within their window, answered 1 from it): each lookup's answers (None: the call
+        failed)."""
         wanted = [k for item in batch for k in item[4]]
         merged = [k for k in dict.fromkeys(wanted) if k not in last]  # each key once, not just answered
-        known: Optional[Dict[str, Any]] = dict(last)
+        known: Optional[Dict[str, Any]] = dict.fromkeys(last, 1)  # before this call adds its own
+        from_reuse = sum(1 for k in wanted if k in known) if known else 0
         if merged:
-            sent = time.monotonic()
+            sent = self._clock()
             answers = self.engine.call_store(merged)
             self.stats.calls += 1
             self.stats.keys_asked += len(merged)
@@ -400,13 +415,17 @@ class LookupBatcher:
                 if self.reuse_s > 0:
                     # Only keys answered present: each holds the lease this call took. One
                     # answered absent may be saved any moment: it is asked again.
-                    present = {k: a for k, a in zip(merged, answers) if a == 1}
+                    until = sent + self.reuse_s
                     with self._cond:
                         if epoch == self._epoch:  # not across forget_answers
-                            self._last, self._last_until = present, sent + self.reuse_s
+                            reused = self._reused
+                            for k, a in zip(merged, answers):
+                                if a == 1:
+                                    reused[k] = until  # not in it: it was not answered from it
+                            while len(reused) > MAX_REUSED:
+                                reused.popitem(last=False)
         self.stats.keys_wanted += len(wanted)
-        if last:
-            self.stats.keys_reused += sum(1 for k in wanted if k in last)
+        self.stats.keys_reused += from_reuse
         return {key: None if known is None else [known[k] for k in keys] for key, _, _, _, keys in batch}
 
     def _lease(self, wanted: List[LeaseKeys]) -> List[Optional[list]]:
