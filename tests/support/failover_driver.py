@@ -126,6 +126,12 @@ def main() -> None:
             deadline = time.monotonic() + 5
             while engines["mirror"].lookup(full, new) != tokens and time.monotonic() < deadline:
                 time.sleep(0.02)
+            # The mirror looks for the serving leader again once a second: on a loaded machine its
+            # next look may come after the saves. Wait for it to settle (complete, or events off).
+            deadline = time.monotonic() + 30
+            while engines["mirror"].mirror.stats().state in ("no leader", "building") \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
             out["mirror_after"] = engines["mirror"].mirror.stats().__dict__
             misses = [rng.randbytes(32) for _ in range(CHUNKS)]
             calls = engines["mirror"].stats().store_calls
