@@ -25,7 +25,7 @@ from mooncake_keys.store.local_cluster import LocalCluster  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster, LocalMasterError  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore, MooncakeStoreUnavailable  # noqa: E402
 from mooncake_keys.store.process import listening_sockets  # noqa: E402
-from support.child import gone, wait_gone  # noqa: E402
+from support.child import gone, kill_all, wait_gone  # noqa: E402
 from support.mooncake_fixtures import MASTERS, master_executable  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +34,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_parent(body: str) -> tuple:
-    """A Python process that starts children, prints their PIDs as JSON, then waits forever."""
-    code = textwrap.dedent(body) + "\nimport sys, time\nprint(json.dumps(pids), flush=True)\ntime.sleep(3600)\n"
+    """A Python process that starts children, prints their PIDs as JSON, then waits forever.
+
+    Its signal dispositions are set, not inherited: under ``nohup`` (or a service manager that
+    ignores SIGHUP) the suite's own SIGHUP is ignored, and an ignored disposition survives exec,
+    so the SIGHUP case would test nothing but how the suite was started."""
+    reset = ("import signal\nfor s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):\n"
+             "    signal.signal(s, signal.SIG_DFL)\n")
+    code = reset + textwrap.dedent(body) + "\nimport sys, time\nprint(json.dumps(pids), flush=True)\ntime.sleep(3600)\n"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), MC_LOG_LEVEL="ERROR")
     proc = subprocess.Popen([sys.executable, "-c", "import json\n" + code], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
@@ -53,19 +59,29 @@ def test_a_master_dies_with_the_process_that_started_it(sig, thread):
         start = ("import threading\nbox = {}\nt = threading.Thread(target=lambda: box.update(m=LocalMaster().start()))\n"
                  "t.start(); t.join(); m = box['m']; pids = [m.pid]")
     proc, pids = start_parent("from mooncake_keys.store.local_master import LocalMaster\n" + start)
-    assert not gone(pids[0])  # alive while its parent lives (the spawning thread has ended)
-    proc.send_signal(sig)
-    proc.wait(10)
-    assert wait_gone(pids) == [], f"mooncake_master {pids} outlived its parent ({sig.name})"
+    try:
+        assert not gone(pids[0])  # alive while its parent lives (the spawning thread has ended)
+        proc.send_signal(sig)
+        proc.wait(60)
+    finally:  # a failed case leaves nothing running
+        proc.kill()
+        proc.wait()
+    left = wait_gone(pids, timeout=30)
+    kill_all(left)  # a failed case leaves nothing running
+    assert left == [], f"mooncake_master {pids} outlived its parent ({sig.name})"
 
 
 def test_a_cluster_dies_with_the_process_that_started_it():
     proc, pids = start_parent("from mooncake_keys.store.local_cluster import LocalCluster\n"
                               "c = LocalCluster(masters=2).start(); pids = c.pids()")
-    assert len(pids) == 3 and not any(gone(p) for p in pids)
-    proc.kill()
-    proc.wait(10)
-    assert wait_gone(pids) == [], f"etcd / masters {pids} outlived their parent"
+    try:
+        assert len(pids) == 3 and not any(gone(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    left = wait_gone(pids, timeout=30)
+    kill_all(left)
+    assert left == [], f"etcd / masters {pids} outlived their parent"
 
 
 # ------------------------------------------------------------------ a master that is not ours

@@ -32,3 +32,14 @@ def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> List[int]:
     while time.monotonic() < deadline and any(not gone(p) for p in pids):
         time.sleep(0.02)
     return [p for p in pids if not gone(p)]
+
+
+def kill_all(pids: Iterable[int]) -> None:
+    """SIGKILL each of ``pids`` still running (what a failed test must not leave behind)."""
+    import os
+    import signal
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
