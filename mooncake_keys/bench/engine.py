@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
-from ..store.process import spawn
+from ..store.process import spawn_guarded
 
 __all__ = ["tiny_model", "save_tokenizer", "EngineStore", "EngineRun", "run_engine", "prompts", "metric_total",
            "MatchedCall", "matched_calls", "engine_missing"]
@@ -122,9 +122,7 @@ class EngineStore:
 
     def kill_master(self) -> None:
         """SIGKILL the master (a fault test): engines keep running with a store that is gone."""
-        import signal
-
-        os.kill(self.master.pid, signal.SIGKILL)
+        self.master.kill()  # ours: its stop removes its folder (no KEPT folder left behind)
 
     def close(self) -> None:
         if self.holder is not None:
@@ -192,10 +190,12 @@ def run_engine(spec: EngineRun, store: Optional[EngineStore], *, timeout_s: floa
             run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, run_env.get("PYTHONPATH", "")]))
         log_path = os.path.join(work, "engine.log")
         with open(log_path, "wb") as log:
-            # Bound to die with this process; its own session, so that its engine core and worker
-            # processes can be ended together.
-            proc = spawn([python, "-m", "mooncake_keys.bench.engine_run", spec_path, out_path],
-                         stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
+            # Under a guard bound to die with this process: the engine runs in a session of its
+            # own, and the guard ends that whole session (its engine core and worker processes
+            # too) however we end, SIGKILL included; a bare child's engine core outlived it.
+            proc = spawn_guarded([python, "-m", "mooncake_keys.bench.engine_run", spec_path, out_path],
+                                 pid_file=os.path.join(work, "engine.pid"), grace=10.0,
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=run_env)
             try:
                 deadline = time.monotonic() + timeout_s
                 paused = False
@@ -223,19 +223,14 @@ def run_engine(spec: EngineRun, store: Optional[EngineStore], *, timeout_s: floa
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """The engine and every process it started (its own session) end here."""
+def _stop_group(guard: subprocess.Popen) -> None:
+    """The engine and every process it started (its own session) end here: the guard SIGTERMs
+    the engine if it still runs, then SIGKILLs its session, and exits."""
     import signal
 
-    try:
-        os.killpg(proc.pid, signal.SIGKILL if proc.poll() is None else signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # what outlived the engine's own shutdown
-    except (ProcessLookupError, PermissionError):
-        pass
+    if guard.poll() is None:
+        guard.send_signal(signal.SIGTERM)
+    guard.wait()
 
 
 class MatchedCall(NamedTuple):
