@@ -7,7 +7,7 @@
 #   bash scripts/dev.sh bench   # the side-by-side benchmark (mooncake_keys bench), vLLM 0.33 beside
 #   bash scripts/dev.sh bench --engine   # vLLM's real engine on the CPU: its connector against the drop-in
 #   bash scripts/dev.sh bench --serve    # `vllm serve` + `vllm bench serve`, two instances per connector
-#   MOONCAKE_KEYS_SUITE_TAG=<tag> bash scripts/dev.sh leftovers   # "PID NAME" of what a suite left running
+#   bash scripts/dev.sh leftovers   # "PID NAME TAG" of what any suite left running (MOONCAKE_KEYS_SUITE_TAG=<tag>: one run's)
 #
 # Everything Python goes into the project venv .venv (never the system interpreter). What the
 # tests need of vLLM lives under $MOONCAKE_KEYS_CACHE (default ~/.cache/mooncake_keys), built once
@@ -299,25 +299,55 @@ EOF
 SUITE_TAG_GIVEN=${MOONCAKE_KEYS_SUITE_TAG:-}
 export MOONCAKE_KEYS_SUITE_TAG=${MOONCAKE_KEYS_SUITE_TAG:-suite-$$-$RANDOM$RANDOM}
 
-leftovers() {  # the suite's mooncake_master / etcd processes still running
-  local pid
-  for pid in $( { pgrep -x mooncake_master; pgrep -x etcd; } || true); do
-    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "MOONCAKE_KEYS_SUITE_TAG=$MOONCAKE_KEYS_SUITE_TAG" && echo "$pid"
-  done
-  return 0
+leftovers() {  # $1: a tag ("" for any suite's). "PID NAME TAG" of each process carrying it, but
+  # dev.sh's own (this check's lineage, and what this dev.sh runs now: the check's own pipeline)
+  "$BASE_PY" - "$1" "$$" <<'EOF'
+import os, sys
+want, top, key = sys.argv[1], int(sys.argv[2]), b"MOONCAKE_KEYS_SUITE_TAG="
+def stat(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()
+def lineage(pid):
+    out = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        pid = int(stat(pid)[1])
+    return out
+mine = lineage(os.getpid())
+for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) in mine:
+        continue
+    try:
+        if stat(name)[0] in (b"Z", b"X") or top in lineage(int(name)):
+            continue
+        with open(f"/proc/{name}/environ", "rb") as f:
+            tags = [v[len(key):].decode() for v in f.read().split(b"\0") if v.startswith(key)]
+        with open(f"/proc/{name}/comm") as f:
+            comm = f.read().strip()
+    except (OSError, ValueError):
+        continue
+    if tags and tags[0] and (tags[0] == want or not want):
+        print(name, comm.replace(" ", "_"), tags[0])
+EOF
 }
 
-cmd_leftovers() {  # what the check sees: "PID NAME" of each tagged process still running
-  [ -n "$SUITE_TAG_GIVEN" ] || { echo "usage: MOONCAKE_KEYS_SUITE_TAG=<tag> bash scripts/dev.sh leftovers" >&2; return 2; }
-  local pid
-  for pid in $(leftovers); do echo "$pid $(cat "/proc/$pid/comm" 2>/dev/null)"; done
-}
-
-nothing_left() {
-  local left; left=$(leftovers)
-  if [ -n "$left" ]; then
-    echo "error: the suite left processes running:" >&2; ps -o pid,etime,cmd -p $left >&2; return 1
+cmd_leftovers() {  # what the check sees: "PID NAME" of each process a suite started still running
+  if [ -n "$SUITE_TAG_GIVEN" ]; then
+    leftovers "$SUITE_TAG_GIVEN" | while read -r pid name _; do echo "$pid $name"; done
+  else  # any suite's: "PID NAME TAG" (the test command prints its own tag when it starts)
+    leftovers ""
   fi
+}
+
+nothing_left() {  # fails, and ends them, when processes this suite started are still running
+  local left; left=$(leftovers "$MOONCAKE_KEYS_SUITE_TAG" | cut -d' ' -f1)
+  [ -z "$left" ] && return 0
+  echo "error: the suite left processes running (ended now):" >&2
+  ps -o pid,etime,cmd -p $left >&2 || true
+  kill -TERM $left 2>/dev/null || true
+  local i; for i in $(seq 50); do kill -0 $left 2>/dev/null || break; sleep 0.1; done
+  kill -KILL $left 2>/dev/null || true
+  return 1
 }
 
 # How many random deployments each vLLM release is compared on (contract, drop-in), per core:
@@ -347,31 +377,56 @@ test_against_vllm() {  # $1: the deps venv's python, $2: a version, $3: the dist
   done
 }
 
+PHASE=""; PHASE_T0=$SECONDS; PHASE_TIMES=(); TEST_TMP=""
+phase() {  # $1: the next phase ("" at the end). Prints it, and keeps the last one's time
+  [ -n "$PHASE" ] && PHASE_TIMES+=("$(printf '%5d s  %s' $((SECONDS - PHASE_T0)) "$PHASE")")
+  PHASE=$1; PHASE_T0=$SECONDS
+  [ -n "$1" ] && echo "== $1"
+  return 0
+}
+
+test_finished() {  # the EXIT trap of the test command: runs whatever ended it
+  local rc=$?
+  trap - EXIT
+  phase ""
+  nothing_left || rc=1  # a failed phase too: what it left running is ended, and is a failure
+  [ -n "${TEST_TMP:-}" ] && rm -rf "$TEST_TMP"
+  if [ ${#PHASE_TIMES[@]} -gt 0 ]; then
+    echo "== phase times ($((SECONDS / 60)) min in all):"; printf '%s\n' "${PHASE_TIMES[@]}"
+  fi
+  [ "$rc" = 0 ] && echo "test: PASSED" || echo "test: FAILED (exit $rc)"
+  exit "$rc"
+}
+
 cmd_test() {
+  trap test_finished EXIT
+  echo "== the suite's tag: $MOONCAKE_KEYS_SUITE_TAG (MOONCAKE_KEYS_SUITE_TAG=$MOONCAKE_KEYS_SUITE_TAG bash scripts/dev.sh leftovers)"
+  phase "set-up: system packages, the project venv, Mooncake 0.3.14"
   install_system
   install_python mooncake,test 1
   MK_MOONCAKE_NEWEST=$(mooncake_newest); export MK_MOONCAKE_NEWEST  # the 0.3.14 master (and client) beside
-  echo "== 1/3: compiled core (the guard test fails if it did not load)"
+  phase "1/3: compiled core (the guard test fails if it did not load)"
   "$PY" -c 'import mooncake_keys as mk; print("ACCELERATED =", mk.ACCELERATED)'
   MK_REQUIRE_REAL=1 run_pytest "$PY" -q -p no:cacheprovider tests --ignore=tests/against_vllm --ignore=tests/engine
   nothing_left
-  echo "== 2/3: against each vLLM release's own code (${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}})"
+  phase "2/3: the vLLM venvs (once: cached under $CACHE)"
   local deps release; deps=$(vllm_deps_venv)
+  for release in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do vllm_release "$release" vllm >/dev/null; done
+  phase "2/3: against each vLLM release's own code (${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}})"
   for release in ${MK_VLLM_RELEASES:-${VLLM_RELEASES[*]}}; do
     test_against_vllm "$deps/bin/python" "$release" vllm
   done
-  echo "== against SGLang $SGLANG_VERSION's own lookup code (both cores, a real mooncake_master, 2 gloo ranks)"
+  phase "against SGLang $SGLANG_VERSION's own lookup code (both cores, a real mooncake_master, 2 gloo ranks)"
   local sg; sg=$(sglang_venv)
   PATH=$sg/bin:$PATH PYTHONPATH=$sg/pkg:$ROOT/tests/against_sglang/stubs TORCH_EXTENSIONS_DIR=$sg/torch_extensions \
     MK_REQUIRE_REAL=1 MK_REQUIRE_SGLANG=$SGLANG_VERSION run_pytest "$sg/bin/python" -q -p no:cacheprovider tests/against_sglang
   nothing_left
-  echo "== inside vLLM's real engine ($ENGINE_DIST $ENGINE_VERSION on the CPU, a real mooncake_master)"
+  phase "inside vLLM's real engine ($ENGINE_DIST $ENGINE_VERSION on the CPU, a real mooncake_master)"
   local engine; engine=$(engine_venv)
   MK_REQUIRE_REAL=1 MK_REQUIRE_ENGINE=1 run_pytest "$engine/bin/python" -q -p no:cacheprovider tests/engine
   nothing_left
-  echo "== 3/3: a fresh venv, installed with no usable compiler (CC=false): the whole suite on pure Python"
-  local tmp; tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' RETURN
+  phase "3/3: a fresh venv, installed with no usable compiler (CC=false): the whole suite on pure Python"
+  local tmp; tmp=$(mktemp -d); TEST_TMP=$tmp  # removed by test_finished, however the phase ends
   git ls-files -z | xargs -0 tar -cf - | tar -xf - -C "$tmp"
   "$BASE_PY" -m venv "$tmp/venv"
   local V="$tmp/venv/bin/python"

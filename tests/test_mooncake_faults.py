@@ -207,15 +207,22 @@ def test_the_leftover_check_lists_only_the_processes_the_suite_started(monkeypat
 
     monkeypatch.setenv("MOONCAKE_KEYS_SUITE_TAG", tag)
     cluster, ours, other = LocalCluster(masters=1), LocalMaster(), LocalMaster()
+    engine = None
     try:
         cluster.start()
         ours.start()
+        # Any process the suite started counts, not only masters and etcd (an engine core that
+        # outlived its test, a driver): here a Python child that would wait for ten minutes.
+        engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         monkeypatch.delenv("MOONCAKE_KEYS_SUITE_TAG")
         other.start()  # another job's master: no tag in its environment
         assert other.is_running()
         assert listed() == {cluster.etcd_pid: "etcd", cluster.masters[0].pid: "mooncake_master",
-                            ours.pid: "mooncake_master"}
+                            ours.pid: "mooncake_master", engine.pid: Path(f"/proc/{engine.pid}/comm").read_text().strip()}
     finally:
+        if engine is not None:
+            engine.kill()
+            engine.wait()
         for stop in (other.stop, ours.stop, cluster.stop):
             stop()
     assert listed() == {}
