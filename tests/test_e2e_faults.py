@@ -79,7 +79,7 @@ def test_dead_master_answers_zero_fast_then_restart_recovers(master, store, capl
         for _ in range(20):
             start = time.monotonic()
             assert engine.lookup(128, hashes) == 0
-            assert time.monotonic() - start < 1.0  # the raw client stalls ~4.3 s per call here (the bound docs/mooncake.md states)
+            assert time.monotonic() - start < 2.5  # refused without a call (~1 ms); a raw call stalls ~4.3 s here, so a loaded machine's margin stays below that
     lines = [r.getMessage() for r in caplog.records if r.name == "mooncake_keys.lookup"]
     assert len(lines) == 20 and all("unavailable" in line for line in lines), lines[:2]
 

@@ -269,7 +269,7 @@ def test_setup_without_master_fails_fast() -> None:
     with pytest.raises(MooncakeStoreError, match=f"127.0.0.1:{port}.*mooncake_master running"):
         MooncakeStore.connect(f"127.0.0.1:{port}", setup_retries=1)
     elapsed = time.monotonic() - start
-    assert elapsed < 15, elapsed  # ~4.4 s here; the client's default retries take ~90 s
+    assert elapsed < 45, elapsed  # ~4.4 s here (more on a loaded machine); the client's default retries take ~90 s
 
 
 def test_calls_after_close_raise_not_crash(mooncake_master: LocalMaster) -> None:
@@ -455,7 +455,7 @@ def test_hung_master_is_bounded_by_rpc_timeout(fault_master: LocalMaster, health
     finally:
         fault_master.resume()
     assert result in (None, [-901])  # -901 RPC_TIMEOUT
-    assert elapsed < timeout_s + 1.5, elapsed
+    assert elapsed < timeout_s + 10, elapsed  # bounded by the RPC timeout (plus a loaded machine's delay), not the pause
     _wait_for(lambda: healthy_fault_store.health_check() == 0, 10, "healthy after SIGCONT")
     # The call given up on may still be on the lane (single flight) until the master answers it.
     _wait_for(lambda: _answers(healthy_fault_store, ["hung"]) == [0], 5, "an answer after SIGCONT")
@@ -485,7 +485,7 @@ def test_dead_master_fails_fast_then_restart_recovers(
         store.batch_is_exist([key])
     elapsed = time.monotonic() - start
     assert info.value.health == 2
-    assert elapsed < 1.0, elapsed  # the raw client stalls ~4.3 s here; typically < 1 ms, 1 s bound against a noisy CI
+    assert elapsed < 2.5, elapsed  # refused without a call: typically < 1 ms; the raw client stalls ~4.3 s here
     for call in (lambda: store.is_exist(key), lambda: store.put(key, b"v"), lambda: store.get(key)):
         with pytest.raises(MooncakeStoreUnavailable):
             call()
