@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
@@ -81,6 +81,20 @@ def _first(samples: List[Dict[str, Any]], after: float, hit: int, own: bool = Fa
 ENGINES = ("lookup_only", "loader")
 
 
+def _hit_after_zero(engine: str, after: float) -> Callable[[Dict[str, Any]], bool]:
+    """A line predicate (lines are read in order): ``engine``'s first full hit, of a call
+    started after ``after``, that follows a 0 answer of a call started after ``after``."""
+    seen_zero = [False]
+
+    def pred(line: Dict[str, Any]) -> bool:
+        if line.get("s") != engine or line["t"] < after:
+            return False
+        seen_zero[0] = seen_zero[0] or line["hit"] == 0
+        return seen_zero[0] and line["hit"] == data.TOKENS
+
+    return pred
+
+
 def _partition(network: netns.Network, cluster: LocalCluster, logs: Path, cut: str,
                heal_after_failover: bool = False) -> Dict[str, Any]:
     """The holder and the lookup driver started on their hosts, ``cut``'s cable pulled, then
@@ -113,9 +127,8 @@ def _partition(network: netns.Network, cluster: LocalCluster, logs: Path, cut: s
         for name in ENGINES:  # every call returns: the loop goes on for HOLD_S
             driver.wait_for(lambda line, n=name: line.get("s") == n and line["t"] > t_cut + HOLD_S,
                             HEAL_DEADLINE_S, f"{name} lookups {HOLD_S} s into the cut")
-        if heal_after_failover:
-            recovered = {name: driver.wait_for(lambda line, n=name: line.get("s") == n and line["t"] >= t_cut
-                                               and line["hit"] == data.TOKENS, HEAL_DEADLINE_S,
+        if heal_after_failover:  # hits again, after 0 answers: the other master serves
+            recovered = {name: driver.wait_for(_hit_after_zero(name, t_cut_done), HEAL_DEADLINE_S,
                                                f"{name} hits from the new leader")
                          for name in ENGINES}
         t_heal = time.monotonic()

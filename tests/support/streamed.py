@@ -50,8 +50,9 @@ class StreamedChild:
             self._cond.notify_all()
 
     def wait_for(self, pred: Callable[[Dict[str, Any]], bool], deadline_s: float, what: str) -> Dict[str, Any]:
-        """The first line so far or to come for which ``pred`` holds. ``deadline_s`` (seconds) is
-        a generous limit only: missing it, or the driver's exit, fails with its log tail."""
+        """The first line so far or to come for which ``pred`` holds (each line is given to it
+        once, in order, so it may keep state). ``deadline_s`` (seconds) is a generous limit
+        only: missing it, or the driver's exit, fails with its log tail."""
         end = time.monotonic() + deadline_s
         seen = 0
         with self._cond:
