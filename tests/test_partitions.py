@@ -20,7 +20,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
@@ -246,9 +248,6 @@ def test_processes_in_a_namespace_die_with_their_parent():
         print(json.dumps({{"pid": master.pid, "names": net.names()}}), flush=True)
         time.sleep(600)
     """
-    import subprocess
-    import textwrap
-
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
                             env=_env())
     try:
