@@ -30,7 +30,8 @@ def pytest_configure(config):
     """Under ``MK_REQUIRE_REAL=1`` (the test command sets it) a missing real component is an error.
 
     The store, failover, multi-process and heat-map tests skip themselves where Mooncake, torch,
-    numpy, matplotlib or etcd is absent, which is right on a developer's partial install and wrong
+    numpy, matplotlib or etcd is absent (the partition tests: where network namespaces cannot be
+    made, e.g. not root or no iproute2), which is right on a developer's partial install and wrong
     in CI: there a failed install would turn the real-component tests into silent skips.
     """
     if not os.environ.get("MK_REQUIRE_REAL"):
@@ -45,6 +46,11 @@ def pytest_configure(config):
 
     if newest_dir() is None:
         missing.append(f"Mooncake {NEWEST} (unpacked by 'bash scripts/dev.sh install', named in MK_MOONCAKE_NEWEST)")
+    from support.netns import unavailable as no_netns
+
+    why = no_netns()  # tests/test_partitions.py: hosts are network namespaces
+    if why:
+        missing.append(f"network namespaces ({why})")
     if missing:
         raise pytest.UsageError(f"MK_REQUIRE_REAL=1 but these are missing: {', '.join(missing)}")
 

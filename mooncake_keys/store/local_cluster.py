@@ -22,11 +22,11 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
-from .._checks import int_arg, seconds_arg
+from .._checks import int_arg, seconds_arg, text_arg
 from .local_master import HOST, LocalMaster, LocalMasterError, free_port, http_json
-from .process import ManagedProcess, owns_listening_port
+from .process import ManagedProcess, in_netns, owns_listening_port
 from .workdir import WorkDir
 
 __all__ = ["LocalCluster", "find_etcd_executable"]
@@ -57,11 +57,23 @@ class LocalCluster:
     else into the work directory; ``log_dir`` tells where they are once started. ``executable``
     is the ``mooncake_master`` every master runs (default: the installed package's);
     ``kv_events=True`` makes each publish its key events on a port of its own (only the leader
-    has any to publish)."""
+    has any to publish).
+
+    ``host`` and ``netns``: the address etcd and the masters bind (default 127.0.0.1) and the
+    Linux network namespace they run in (see :class:`LocalMaster`). ``master_hosts``, one
+    ``(address, netns)`` per master, puts each master on a host of its own instead (etcd stays
+    on ``host``)."""
 
     def __init__(self, masters: int = 2, *, default_kv_lease_ttl: Optional[int] = 200, ready_timeout: float = 30.0,
-                 log_dir: Optional[str] = None, executable: Optional[str] = None, kv_events: bool = False) -> None:
+                 log_dir: Optional[str] = None, executable: Optional[str] = None, kv_events: bool = False,
+                 host: str = HOST, netns: Optional[str] = None,
+                 master_hosts: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
         int_arg("masters", masters, min=1, max=MAX_MASTERS)
+        places = [(host, netns)] * masters if master_hosts is None else [tuple(h) for h in master_hosts]
+        if len(places) != masters:
+            raise ValueError(f"master_hosts names {len(places)} hosts for {masters} masters")
+        self.host = text_arg("host", host)
+        self.netns = None if netns is None else text_arg("netns", netns)
         self.ready_timeout = seconds_arg("ready_timeout", ready_timeout)
         self._log_dir_given = log_dir
         self.log_dir = log_dir
@@ -69,18 +81,19 @@ class LocalCluster:
         self.etcd_port = free_port()
         self._etcd = ManagedProcess("etcd", "")
         self._etcd_signalled = False
-        endpoints = f"{HOST}:{self.etcd_port}"
+        endpoints = f"{self.host}:{self.etcd_port}"
         # Their log paths are set at start, in the log directory.
         self.masters: List[LocalMaster] = [
             LocalMaster(default_kv_lease_ttl=default_kv_lease_ttl, etcd_endpoints=endpoints,
-                        ready_timeout=ready_timeout, executable=executable, kv_events=kv_events)
-            for _ in range(masters)
+                        ready_timeout=ready_timeout, executable=executable, kv_events=kv_events,
+                        host=address, netns=ns)
+            for address, ns in places
         ]
 
     @property
     def master_address(self) -> str:
-        """What clients pass as the master address: ``"etcd://127.0.0.1:PORT"``."""
-        return f"etcd://{HOST}:{self.etcd_port}"
+        """What clients pass as the master address: ``"etcd://HOST:PORT"`` (127.0.0.1 by default)."""
+        return f"etcd://{self.host}:{self.etcd_port}"
 
     @property
     def etcd_pid(self) -> Optional[int]:
@@ -110,7 +123,7 @@ class LocalCluster:
                     shutil.rmtree(os.path.join(self._workdir.path, "etcd-data"), ignore_errors=True)
                     self.etcd_port = free_port()
                     for master in self.masters:
-                        master.etcd_endpoints = f"{HOST}:{self.etcd_port}"
+                        master.etcd_endpoints = f"{self.host}:{self.etcd_port}"
             for master in self.masters:
                 master.start()
             self.wait_leader(self.ready_timeout)
@@ -125,14 +138,14 @@ class LocalCluster:
     def _start_etcd(self, exe: str) -> None:
         assert self._workdir is not None
         peer, metrics = free_port(), free_port()
-        client_url, peer_url = f"http://{HOST}:{self.etcd_port}", f"http://{HOST}:{peer}"
+        client_url, peer_url = f"http://{self.host}:{self.etcd_port}", f"http://{self.host}:{peer}"
         self._etcd_signalled = False
-        self._etcd.start([
+        self._etcd.start(in_netns(self.netns, [
             exe, "--data-dir", os.path.join(self._workdir.path, "etcd-data"), "--name", "default",
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"default={peer_url}", "--listen-metrics-urls", f"http://{HOST}:{metrics}",
-        ])
+            "--initial-cluster", f"default={peer_url}", "--listen-metrics-urls", f"http://{self.host}:{metrics}",
+        ]))
         deadline = time.monotonic() + self.ready_timeout
         while True:
             rc = self._etcd.exit_code()

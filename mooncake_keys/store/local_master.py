@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from .._checks import MAX_SECONDS, bool_arg, int_arg, seconds_arg
-from .process import ManagedProcess, owns_listening_port
+from .._checks import MAX_SECONDS, bool_arg, int_arg, seconds_arg, text_arg
+from .process import ManagedProcess, in_netns, owns_listening_port
 from .workdir import WorkDir
 
 __all__ = ["LocalMaster", "LocalMasterError", "find_master_executable", "free_port", "master_version"]
@@ -121,7 +121,7 @@ def http_json(url: str, timeout: float = 0.5) -> Optional[Any]:
 
 
 class LocalMaster:
-    """A ``mooncake_master`` child process bound to 127.0.0.1.
+    """A ``mooncake_master`` child process bound to 127.0.0.1 (or ``host``).
 
     Ports are picked free on first start and kept by :meth:`restart`. ``default_kv_lease_ttl``
     is in ms (ours 200, the master's 10000): a lookup leases every key it finds, and a short
@@ -138,6 +138,10 @@ class LocalMaster:
     ``executable``: the ``mooncake_master`` to run (default :func:`find_master_executable`).
     ``kv_events=True``: it publishes its key events (ZMQ PUB on ``events_port``, picked free and
     kept by :meth:`restart`; Mooncake publishes only with a backend id, ``mooncake_keys`` here).
+
+    ``host`` is the address it binds and clients use (default 127.0.0.1); ``netns`` a Linux
+    network namespace it runs in (``ip netns exec``; that namespace must own ``host``, and this
+    process must be able to reach it for the readiness checks).
     """
 
     def __init__(
@@ -153,7 +157,11 @@ class LocalMaster:
         etcd_endpoints: Optional[str] = None,
         kv_events: bool = False,
         events_port: Optional[int] = None,
+        host: str = HOST,
+        netns: Optional[str] = None,
     ) -> None:
+        self.host = text_arg("host", host)
+        self.netns = None if netns is None else text_arg("netns", netns)
         self.rpc_port = None if rpc_port is None else int_arg("rpc_port", rpc_port, min=1, max=65535)
         self.metrics_port = None if metrics_port is None else int_arg("metrics_port", metrics_port, min=1, max=65535)
         self.default_kv_lease_ttl = (None if default_kv_lease_ttl is None else  # milliseconds
@@ -175,27 +183,27 @@ class LocalMaster:
 
     @property
     def master_address(self) -> str:
-        """``"127.0.0.1:PORT"``, what clients pass as the master address."""
+        """``"HOST:PORT"`` (``"127.0.0.1:PORT"`` by default), what clients pass as the master address."""
         if self.rpc_port is None:
             raise LocalMasterError("master not started yet")
-        return f"{HOST}:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def http_address(self) -> str:
-        """``"http://127.0.0.1:PORT"``: the master's HTTP server (``/health``, ``/get_all_keys``,
+        """``"http://HOST:PORT"``: the master's HTTP server (``/health``, ``/get_all_keys``,
         ``/kv_events/status``), on its metrics port."""
         if self.metrics_port is None:
             raise LocalMasterError("master not started yet")
-        return f"http://{HOST}:{self.metrics_port}"
+        return f"http://{self.host}:{self.metrics_port}"
 
     @property
     def events_endpoint(self) -> str:
-        """``"tcp://127.0.0.1:PORT"``, where the master publishes its key events (``kv_events=True``)."""
+        """``"tcp://HOST:PORT"``, where the master publishes its key events (``kv_events=True``)."""
         if not self.kv_events:
             raise LocalMasterError("this master publishes no key events (kv_events=False)")
         if self.events_port is None:
             raise LocalMasterError("master not started yet")
-        return f"tcp://{HOST}:{self.events_port}"
+        return f"tcp://{self.host}:{self.events_port}"
 
     @property
     def version(self) -> str:
@@ -218,23 +226,23 @@ class LocalMaster:
         """The master's ``/health`` answer (role, ha_state, service_ready, ...), or None."""
         if self.metrics_port is None:
             return None
-        return http_json(f"http://{HOST}:{self.metrics_port}/health")
+        return http_json(f"http://{self.host}:{self.metrics_port}/health")
 
     # ----------------------------------------------------------- lifecycle
 
     def _args(self, exe: str) -> list:
         args = [
             exe,
-            f"--rpc_address={HOST}",
+            f"--rpc_address={self.host}",
             f"--rpc_port={self.rpc_port}",
-            f"--metrics_host={HOST}",
+            f"--metrics_host={self.host}",
             f"--metrics_port={self.metrics_port}",
             "--logtostderr",
         ]
         if self.default_kv_lease_ttl is not None:
             args.append(f"--default_kv_lease_ttl={int(self.default_kv_lease_ttl)}")
         if self.kv_events:
-            args += ["--enable_kv_events=true", f"--kv_events_bind_endpoint=tcp://{HOST}:{self.events_port}",
+            args += ["--enable_kv_events=true", f"--kv_events_bind_endpoint=tcp://{self.host}:{self.events_port}",
                      "--kv_events_backend_id=mooncake_keys"]
         if self.etcd_endpoints:
             args += ["--enable_ha=true", "--enable_oplog=true", f"--etcd_endpoints={self.etcd_endpoints}",
@@ -261,7 +269,7 @@ class LocalMaster:
         self._signalled = False
         _RUNNING.add(self)
         try:
-            self._child.start(self._args(exe))
+            self._child.start(in_netns(self.netns, self._args(exe)))
             self._wait(self._ready, self.ready_timeout, "ready")
         except LocalMasterError as exc:
             self._stop(keep=str(exc))  # the log the error names is kept
@@ -312,7 +320,7 @@ class LocalMaster:
                 return
             if time.monotonic() > deadline:
                 raise LocalMasterError(
-                    f"mooncake_master pid {self.pid} not {what} after {timeout} s at {HOST}:{self.rpc_port} "
+                    f"mooncake_master pid {self.pid} not {what} after {timeout} s at {self.host}:{self.rpc_port} "
                     f"(metrics {self.metrics_port}); log {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
@@ -402,7 +410,7 @@ class LocalMaster:
 
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.is_running() else "stopped"
-        return f"<LocalMaster {HOST}:{self.rpc_port} {state}>"
+        return f"<LocalMaster {self.host}:{self.rpc_port} {state}>"
 
 
 @atexit.register

@@ -15,7 +15,9 @@ when we go, when it is told to stop, or when the child exits, ends that whole se
 
 Readiness helpers check that a port is LISTENed on *by the child itself* (its socket inode is
 one of the child's file descriptors): a second server started on ports another one holds can
-answer health checks for a while before it dies, or be answered for by the other.
+answer health checks for a while before it dies, or be answered for by the other. They read the
+child's own ``/proc/PID/net/tcp``: a child started in another network namespace
+(``ip netns exec``) listens in that namespace's table, not ours.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import sys
 import threading
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["ManagedProcess", "spawn", "spawn_guarded", "owns_listening_port", "listening_ports", "listening_sockets"]
+__all__ = ["ManagedProcess", "in_netns", "spawn", "spawn_guarded", "owns_listening_port", "listening_ports",
+           "listening_sockets"]
 
 _PR_SET_PDEATHSIG = 1
 _requests: "queue.Queue[Any]" = queue.Queue()
@@ -56,6 +59,13 @@ def _spawn_loop() -> None:
             reply.put(subprocess.Popen(args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
             reply.put(exc)
+
+
+def in_netns(netns: Optional[str], args: Sequence[str]) -> List[str]:
+    """``args`` run inside the network namespace ``netns`` (``ip netns exec NETNS ARGS...``;
+    unchanged when ``netns`` is None). ``ip`` enters the namespace and execs ``args``, so the
+    child keeps its PID and the death signal :func:`spawn` asked for (not a set-user-ID exec)."""
+    return list(args) if netns is None else ["ip", "netns", "exec", netns, *args]
 
 
 def spawn(args: Sequence[str], **popen_kwargs: Any) -> "subprocess.Popen[bytes]":
@@ -124,7 +134,7 @@ def listening_sockets(pid: int) -> List[tuple]:
     """``(address, port)`` of every TCP socket the process ``pid`` LISTENs on (Linux ``/proc``;
     [] elsewhere), e.g. ``("127.0.0.1", 50051)``, ``("0.0.0.0", 15123)``, ``("::", 15124)``."""
     inodes = _socket_inodes(pid)
-    return sorted({(addr, port) for addr, port, inode in _listeners() if inode in inodes})
+    return sorted({(addr, port) for addr, port, inode in _listeners(pid) if inode in inodes})
 
 
 def listening_ports(pid: int) -> List[int]:
@@ -135,7 +145,7 @@ def listening_ports(pid: int) -> List[int]:
 def owns_listening_port(pid: int, port: int) -> bool:
     """Whether the process ``pid`` itself LISTENs on TCP ``port`` (Linux ``/proc``)."""
     inodes = _socket_inodes(pid)
-    return any(p == port and inode in inodes for _, p, inode in _listeners())
+    return any(p == port and inode in inodes for _, p, inode in _listeners(pid))
 
 
 def _address(hex_addr: str) -> str:
@@ -146,11 +156,12 @@ def _address(hex_addr: str) -> str:
     return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
 
 
-def _listeners() -> List[tuple]:
+def _listeners(pid: int) -> List[tuple]:
+    """``(address, port, inode)`` of every LISTEN socket in the network namespace of ``pid``."""
     out = []
     for proto in ("tcp", "tcp6"):
         try:
-            with open(f"/proc/net/{proto}") as f:
+            with open(f"/proc/{pid}/net/{proto}") as f:
                 lines = f.read().splitlines()[1:]
         except OSError:
             continue
