@@ -1,0 +1,87 @@
+"""The commands at their edges, run as a newcomer runs them (``python -m mooncake_keys ...`` in a
+child process): a master setting that cannot be used, Ctrl-C, a benchmark target missed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from mooncake_keys.store.default import MASTER_ENV
+
+CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+#: Each command with arguments it would run with: a bad setting must stop it before any work.
+COMMANDS = {
+    "demo": ["demo", "--requests", "5"],
+    "bench": ["bench", "--quick", "--no-master"],
+    "explain": ["explain", "--model", "m", "--group", "full:16", "--hashes", "-"],
+}
+
+
+def env_with(**settings: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (MASTER_ENV, CONFIG_ENV)}
+    env.update(settings)
+    return env
+
+
+def run(argv: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mooncake_keys", *argv], input="00ff\n", capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def bad_settings(tmp: Path) -> List[tuple]:
+    (tmp / "not.json").write_text("master_server_address: 127.0.0.1:50051\n")
+    (tmp / "no_master.json").write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
+    (tmp / "bad_master.json").write_text(json.dumps({"master_server_address": "host:notaport"}))
+    return [
+        (MASTER_ENV, "garbage", "must be 'host:port'"),
+        (MASTER_ENV, "host:notaport", "must be 'host:port'"),
+        (MASTER_ENV, "127.0.0.1:0", "must be 'host:port'"),
+        (CONFIG_ENV, str(tmp / "missing.json"), "No such file or directory"),
+        (CONFIG_ENV, str(tmp), "is not a regular file"),
+        (CONFIG_ENV, str(tmp / "not.json"), "is not JSON"),
+        (CONFIG_ENV, str(tmp / "no_master.json"), "names no master_server_address"),
+        (CONFIG_ENV, str(tmp / "bad_master.json"), "its master_server_address must be 'host:port'"),
+    ]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_setting_that_cannot_be_used_is_one_line_naming_it_and_exit_2(command, tmp_path):
+    for variable, value, message in bad_settings(tmp_path):
+        out = run(COMMANDS[command], env_with(**{variable: value}))
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (variable, value, out.returncode, out.stderr[-3000:])
+        assert lines[0].startswith(f"mooncake_keys {command}: error: {variable}: ") and message in lines[0], lines
+        assert out.stdout == "", out.stdout  # refused before any work
+
+
+@pytest.mark.parametrize("command", ["demo", "explain"])
+@pytest.mark.parametrize("how", ["address", "config"])
+def test_a_master_nobody_serves_is_one_line_naming_the_setting_and_exit_1(command, how, tmp_path):
+    if how == "address":
+        variable, env = MASTER_ENV, env_with(**{MASTER_ENV: "127.0.0.1:1"})
+    else:
+        config = tmp_path / "mooncake.json"
+        config.write_text(json.dumps({"master_server_address": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE",
+                                      "protocol": "tcp"}))
+        variable, env = CONFIG_ENV, env_with(**{CONFIG_ENV: str(config)})
+    pytest.importorskip("mooncake.store")  # demo falls back to the memory store without the client
+    out = run(COMMANDS[command], env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    assert lines[0].startswith(f"mooncake_keys {command}: error: {variable}: the master 127.0.0.1:1 cannot be "
+                               "reached"), lines
+
+
+def test_the_help_documents_the_exit_statuses():
+    out = subprocess.run([sys.executable, "-m", "mooncake_keys", "demo", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    for status in ("0", "1", "2", "130"):
+        assert f"\n  {status:<4} " in out.stdout, out.stdout
+    assert MASTER_ENV in out.stdout and CONFIG_ENV in out.stdout
