@@ -85,3 +85,52 @@ def test_the_help_documents_the_exit_statuses():
     for status in ("0", "1", "2", "130"):
         assert f"\n  {status:<4} " in out.stdout, out.stdout
     assert MASTER_ENV in out.stdout and CONFIG_ENV in out.stdout
+
+
+#: What the Mooncake client logs while closing when its master went first (a Ctrl-C reached the
+#: master too): seconds of retries, then these.
+TEARDOWN_ERRORS = ("RPC call failed", "Failed to ping master", "Failed to unmount", "Client not available")
+
+
+def test_ctrl_c_stops_the_demo_and_its_master_with_one_line_and_exit_130():
+    """Ctrl-C as a terminal sends it: SIGINT to the demo's whole process group, once the demo is
+    serving (its output says so). It exits 130 with one line, and its master is gone."""
+    import re
+    import signal
+
+    pytest.importorskip("mooncake.store")
+    pytest.importorskip("torch")
+    from mooncake_keys.store.local_master import LocalMasterError, find_master_executable
+
+    try:
+        find_master_executable()
+    except LocalMasterError as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_keys", "demo", "--requests", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(),
+                            start_new_session=True)
+    master_pid = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # readiness: the store is open and the requests are being served
+            found = re.search(r"^store: mooncake \(local master\) at \S+ \(pid (\d+)\)", line)
+            if found:
+                master_pid = int(found.group(1))
+            if line.startswith("  served "):
+                break
+        else:
+            pytest.fail(f"the demo ended before serving: {proc.wait()} {proc.stderr.read()[-3000:]}")
+        assert master_pid is not None and os.path.exists(f"/proc/{master_pid}")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)  # a hang guard only
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and len(lines) <= 6, err[-3000:]
+    assert lines[-1].startswith("mooncake_keys demo: interrupted"), lines
+    assert not [line for line in lines if any(e in line for e in TEARDOWN_ERRORS)], err
+    assert not os.path.exists(f"/proc/{master_pid}"), f"mooncake_master pid {master_pid} outlived the demo"
+
