@@ -134,3 +134,32 @@ def test_ctrl_c_stops_the_demo_and_its_master_with_one_line_and_exit_130():
     assert not [line for line in lines if any(e in line for e in TEARDOWN_ERRORS)], err
     assert not os.path.exists(f"/proc/{master_pid}"), f"mooncake_master pid {master_pid} outlived the demo"
 
+
+def test_a_target_not_met_is_exit_1_unless_report_only():
+    """The verdict the bench closes on, over the target lines it printed (summarise's here, on
+    rows where the compiled core is as fast as vLLM: 1x against targets of 20x and more)."""
+    from mooncake_keys.bench.suite import missed_targets, summarise, verdict
+
+    slow = summarise([dict(mode="cold", impl="c", scenario=s, ratio_vs_vllm=1.0) for s in "abcde"])
+    assert missed_targets(slow) and all("NOT met" in line for line in missed_targets(slow)), slow
+    assert verdict(slow, report_only=False) == ("targets: 2 of 2 NOT met (exit 1; --report-only only reports)", 1)
+    assert verdict(slow, report_only=True) == ("targets: 2 of 2 NOT met (--report-only: exit 0)", 0)
+    fast = summarise([dict(mode="cold", impl="c", scenario=s, ratio_vs_vllm=0.01) for s in "abcde"])
+    assert not missed_targets(fast) and verdict(fast, report_only=False) == ("targets: all 2 met", 0)
+
+
+@pytest.mark.parametrize("report_only", [False, True])
+def test_the_bench_exit_status_follows_its_targets(report_only):
+    """A real quick run: it closes on the verdict line, and exits 1 exactly when that says a
+    target is NOT met (with --report-only: 0 whatever it says)."""
+    argv = ["bench", "--quick", "--no-master", "--plot-dir", "."] + (["--report-only"] if report_only else [])
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        out = subprocess.run([sys.executable, "-m", "mooncake_keys", *argv], cwd=where, capture_output=True,
+                             text=True, env=env_with(), timeout=600)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("targets: "), out.stdout[-2000:]
+    printed = [line for line in out.stdout.splitlines() if line.strip().startswith("target ")]
+    assert printed and ("NOT met" in last) == any("NOT met" in line for line in printed), out.stdout[-3000:]
+    assert out.returncode == (0 if report_only or "NOT met" not in last else 1), (out.returncode, last)
