@@ -163,3 +163,31 @@ def test_the_bench_exit_status_follows_its_targets(report_only):
     printed = [line for line in out.stdout.splitlines() if line.strip().startswith("target ")]
     assert printed and ("NOT met" in last) == any("NOT met" in line for line in printed), out.stdout[-3000:]
     assert out.returncode == (0 if report_only or "NOT met" not in last else 1), (out.returncode, last)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dev_demo(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "dev.sh"), "demo", *argv], capture_output=True, text=True,
+                          env=env_with(), timeout=1800)
+
+
+def test_dev_sh_demo_says_each_step_skips_an_up_to_date_install_and_ends_on_a_verdict():
+    """``bash scripts/dev.sh demo`` as a newcomer runs it, twice: the second run finds the install
+    up to date (no pip), and each run closes on one verdict line, a failed one too."""
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip("runs dev.sh against the checkout's .venv: only from that venv's python")
+    pytest.importorskip("torch")
+    first = dev_demo("--requests", "5")  # installs only what its stamp does not show installed
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = dev_demo("--requests", "5")
+    assert second.returncode == 0, second.stderr[-3000:]
+    steps = [line for line in second.stderr.splitlines() if line.startswith("== ")]
+    assert steps[0] == "== torch 2.13.0 (CPU): installed already", steps
+    assert steps[1].startswith("== mooncake_keys[") and ": up to date" in steps[1], steps
+    assert not any("installing" in s for s in steps), steps
+    assert second.stdout.strip().splitlines()[-1].startswith("demo: OK - done in "), second.stdout[-2000:]
+    failed = dev_demo("--requests", "0")
+    assert failed.returncode == 2
+    assert failed.stdout.strip().splitlines()[-1] == "demo: FAILED (exit 2, while running the demo)", failed.stdout
