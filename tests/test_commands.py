@@ -191,3 +191,25 @@ def test_dev_sh_demo_says_each_step_skips_an_up_to_date_install_and_ends_on_a_ve
     failed = dev_demo("--requests", "0")
     assert failed.returncode == 2
     assert failed.stdout.strip().splitlines()[-1] == "demo: FAILED (exit 2, while running the demo)", failed.stdout
+
+
+def test_the_library_refuses_the_same_settings_with_a_value_error_naming_them(tmp_path, monkeypatch):
+    """configured_master is the one check: open_store raises what the commands print, before a
+    master is started or a client made."""
+    from mooncake_keys.store import local_master
+    from mooncake_keys.store.default import BadMasterSetting, configured_master, open_store
+
+    monkeypatch.setattr(local_master.LocalMaster, "start", lambda self: pytest.fail("started a master"))
+    for variable, value, message in bad_settings(tmp_path):
+        monkeypatch.delenv(MASTER_ENV, raising=False)
+        monkeypatch.delenv(CONFIG_ENV, raising=False)
+        monkeypatch.setenv(variable, value)
+        for call in (configured_master, open_store):
+            with pytest.raises(BadMasterSetting) as caught:
+                call()
+            assert isinstance(caught.value, ValueError) and caught.value.setting == variable
+            assert str(caught.value).startswith(f"{variable}: ") and message in str(caught.value)
+    with pytest.raises(BadMasterSetting, match=r"^master_address: the address must be 'host:port'"):
+        open_store("garbage")
+    with pytest.raises(BadMasterSetting, match=r"^config_path: Mooncake config .* No such file"):
+        open_store(config_path=str(tmp_path / "missing.json"))

@@ -1,7 +1,7 @@
 """The default store: one call that gives a working store.
 
-Order: an explicit master address; ``MOONCAKE_KEYS_MASTER`` ("host:port"); a vLLM config named
-by ``MOONCAKE_CONFIG_PATH``; otherwise a :class:`LocalMaster` on 127.0.0.1 started for the
+Order: an explicit master address; an explicit config path; ``MOONCAKE_KEYS_MASTER``
+("host:port"); a vLLM config named by ``MOONCAKE_CONFIG_PATH``; otherwise a :class:`LocalMaster` on 127.0.0.1 started for the
 caller. Only when the mooncake package cannot be imported (not installed, or libibverbs1
 missing) does it fall back to the in-process :class:`MemoryStore`, and it logs why.
 
@@ -47,9 +47,6 @@ class ConfiguredMaster:
     address: str
     config: Any = None  # a MooncakeStoreConfig, for a config file
 
-    def describe(self) -> str:
-        return f"{self.setting} ({self.address})"
-
 
 def configured_master(master_address: Optional[str] = None,
                       config_path: Optional[str] = None) -> Optional[ConfiguredMaster]:
@@ -63,14 +60,16 @@ def configured_master(master_address: Optional[str] = None,
 
     env_address = os.environ.get(MASTER_ENV, "").strip()
     env_path = os.environ.get(CONFIG_PATH_ENV, "").strip()
+    address: Optional[str] = None
+    path = ""
     if master_address is not None:
         setting, address = "master_address", master_address
     elif config_path is not None:
-        setting, address = "config_path", None
+        setting, path = "config_path", config_path
     elif env_address:
         setting, address = MASTER_ENV, env_address
     elif env_path:
-        setting, address, config_path = CONFIG_PATH_ENV, None, env_path
+        setting, path = CONFIG_PATH_ENV, env_path
     else:
         return None
     if address is not None:
@@ -80,15 +79,15 @@ def configured_master(master_address: Optional[str] = None,
             raise BadMasterSetting(setting, str(exc).replace("master_address", "the address")) from None
         return ConfiguredMaster(setting, address)
     try:
-        config = MooncakeStoreConfig.from_file(config_path)  # type: ignore[arg-type]
+        config = MooncakeStoreConfig.from_file(path)
     except (TypeError, ValueError) as exc:
         raise BadMasterSetting(setting, str(exc)) from None
     if not config.master_server_address:
-        raise BadMasterSetting(setting, f"{config_path!r} names no master_server_address")
+        raise BadMasterSetting(setting, f"{path!r} names no master_server_address")
     try:
         parse_master_address(config.master_server_address)
     except ValueError as exc:
-        raise BadMasterSetting(setting, f"{config_path!r}: {exc}".replace("master_address",
+        raise BadMasterSetting(setting, f"{path!r}: {exc}".replace("master_address",
                                                                           "its master_server_address")) from None
     return ConfiguredMaster(setting, config.master_server_address, config)
 
