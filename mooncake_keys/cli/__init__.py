@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import textwrap
 from types import FrameType
 from typing import Callable, List, Optional
 
@@ -109,7 +110,8 @@ def _interrupt_once(signum: int, frame: Optional[FrameType]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    epilog = "exit status:\n" + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_STATUSES)
+    epilog = "exit status:\n" + "\n".join(textwrap.fill(what, 96, initial_indent=f"  {code:<4} ",
+                                                         subsequent_indent=" " * 7) for code, what in EXIT_STATUSES)
     parser = argparse.ArgumentParser(prog="mooncake_keys", description=__doc__.split("\n\n")[0], epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Tuple, Type
 
 HELP = ("a simulated serving workload: save, lookup, load (--vllm: vLLM's real engine on the CPU; --serve: two vllm "
         "serve instances on one store)")
@@ -46,7 +47,8 @@ def main(args: argparse.Namespace) -> int:
     return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0
 
 
-def _store_errors() -> tuple:
+def _store_errors() -> Tuple[Type[BaseException], ...]:
+    """The errors of a store that cannot be opened (each names what is wrong)."""
     from ..store.local_master import LocalMasterError
     from ..store.mooncake import MooncakeStoreError
 
