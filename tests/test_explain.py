@@ -447,6 +447,7 @@ def never_connects(monkeypatch):
     monkeypatch.setattr(MooncakeStore, "connect", refuse)
     monkeypatch.setattr(MooncakeStore, "lookup_client", refuse)
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("MOONCAKE_KEYS_MASTER", raising=False)
 
 
 @pytest.fixture
@@ -491,7 +492,7 @@ def test_bad_arguments_are_refused_by_argparse(never_connects, prompt_file, caps
      "the lookup (--num-tokens, --skip-tokens, the prompt): num_tokens (100) must be a multiple of the scheduler"),
     (["--group", "full:16", "--hashes", "/nonexistent/p"], "argument --hashes: cannot read '/nonexistent/p'"),
     (["--group", "full:16", "--config", "/nonexistent.json"], "argument --config: Mooncake config '/nonexistent.json'"),
-    (["--group", "full:16"], "no master: give --master or --config (or set MOONCAKE_CONFIG_PATH)"),
+    (["--group", "full:16"], "no master: give --master or --config (or set MOONCAKE_KEYS_MASTER or MOONCAKE_CONFIG_PATH)"),
 ])
 def test_bad_arguments_are_refused_before_connecting(never_connects, prompt_file, capsys, argv, message):
     argv = ["--model", "m", *argv]

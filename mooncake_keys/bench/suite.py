@@ -23,14 +23,14 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..lookup import _core
 from . import sidebyside
 from .scenarios import (FLAGSHIP, IMPLS, STANDARD, build_impl, burn_in, grid_scenario, lookup_bench, make_request,
                         membership_answer, prime, stub_store)
 
-__all__ = ["run_bench", "summarise", "speedup", "sweep", "scaling", "scaling_lines", "plot", "master_unavailable"]
+__all__ = ["run_bench", "missed_targets", "summarise", "speedup", "sweep", "scaling", "scaling_lines", "plot", "master_unavailable"]
 
 #: (mode, impl, scenarios, at least this many times faster than vLLM 0.33): the targets of docs/benchmarks.md
 #: (the standard scenarios a-e; the flagship layouts f, g: DeepSeek-V4-Flash's and Qwen3-Next's).
@@ -87,6 +87,23 @@ def summarise(rows: Sequence[Dict[str, Any]]) -> List[str]:
             verdict = "met" if got >= target else "NOT met"
             lines.append(f"target {mode} {impl} on {','.join(scen)} >= {target:g}x vLLM 0.33: {got:.1f}x, {verdict}")
     return lines
+
+
+def missed_targets(lines: Sequence[str]) -> List[str]:
+    """The target lines of a run (``target ...``, each ending in its verdict) that say NOT met."""
+    return [line.strip() for line in lines if line.strip().startswith("target ") and "NOT met" in line]
+
+
+def verdict(lines: Sequence[str], report_only: bool) -> Tuple[str, int]:
+    """The closing line over a run's target lines, and the exit status: 1 when one is NOT met,
+    unless ``report_only`` (then the run only reports)."""
+    checked = [line for line in lines if line.strip().startswith("target ")]
+    missed = missed_targets(checked)
+    if not missed:
+        return f"targets: all {len(checked)} met", 0
+    if report_only:
+        return f"targets: {len(missed)} of {len(checked)} NOT met (--report-only: exit 0)", 0
+    return f"targets: {len(missed)} of {len(checked)} NOT met (exit 1; --report-only only reports)", 1
 
 
 def sweep(repeat: int, bar: _Bar) -> Dict[str, List[tuple]]:
@@ -202,14 +219,15 @@ def master_unavailable() -> Optional[str]:
     return None
 
 
-def run_master_section(repeat: int, plot_path: Optional[str], quick: bool, out=print) -> None:
-    """Lookups on a real mooncake_master by hit fraction: one-shot, rounds and vLLM 0.33."""
+def run_master_section(repeat: int, plot_path: Optional[str], quick: bool, out=print) -> List[str]:
+    """Lookups on a real mooncake_master by hit fraction: one-shot, rounds and vLLM 0.33; returns
+    its target lines."""
     from . import on_master
 
     missing = master_unavailable()
     if missing:
         out(f"note: no real-master section in this run: {missing}")
-        return
+        return []
     scenarios, fractions = ("af", (0.0, 0.1, 1.0)) if quick else (on_master.SCENARIOS, on_master.HIT_FRACTIONS)
     out(f"\nreal mooncake_master on loopback: scenarios {', '.join(scenarios)}, prefix stored "
         f"{', '.join(f'{f:.0%}' for f in fractions)}; median of {repeat} interleaved lookups each")
@@ -218,12 +236,14 @@ def run_master_section(repeat: int, plot_path: Optional[str], quick: bool, out=p
     rows = on_master.run_on_master(scenarios=scenarios, fractions=fractions, repeat=repeat, progress=bar.step)
     bar.close()
     out(on_master.format_table(rows))
-    for line in on_master.check_targets(rows):
+    lines = on_master.check_targets(rows)
+    for line in lines:
         out(line)
     if plot_path:
         written = on_master.plot(rows, plot_path)
         out(f"plot: {written}" if written else "plot: matplotlib is not installed (pip install matplotlib)")
     out(f"({time.perf_counter() - t0:.1f} s)")
+    return lines
 
 
 def run_in_scheduler_section(repeat: int, out=print) -> None:
@@ -243,15 +263,15 @@ def run_in_scheduler_section(repeat: int, out=print) -> None:
     out(f"({time.perf_counter() - t0:.1f} s)")
 
 
-def run_burst_section(out=print) -> None:
+def run_burst_section(out=print) -> List[str]:
     """A burst of requests sharing a system prompt: vLLM's lookups against the in-scheduler ones,
-    synchronous and asynchronous (needs vLLM 0.32+ and Mooncake)."""
+    synchronous and asynchronous (needs vLLM 0.32+ and Mooncake); returns its target lines."""
     from .vllm_baseline import unavailable
 
     missing = unavailable() or master_unavailable()
     if missing:
         out(f"note: no burst section in this run: {missing}")
-        return
+        return []
     from . import burst
 
     out(f"\na burst of {burst.BURST} requests sharing a {burst.SYSTEM_TOKENS}-token system prompt, TP 4, real master "
@@ -259,16 +279,20 @@ def run_burst_section(out=print) -> None:
     t0 = time.perf_counter()
     rows = burst.run_burst()
     out(burst.format_rows(rows))
-    for line in burst.check_targets(rows):
+    lines = burst.check_targets(rows)
+    for line in lines:
         out(line)
     out(f"({time.perf_counter() - t0:.1f} s)")
+    return lines
 
 
 def run_bench(repeat: int = 5, plot_path: Optional[str] = None, out=print, *, master: bool = True,
-              master_plot: Optional[str] = None, quick: bool = False) -> int:
+              master_plot: Optional[str] = None, quick: bool = False, report_only: bool = False) -> int:
     """The whole run, printed through ``out``; the two PNG plots go to ``plot_path`` (client
     side) and ``master_plot`` (real master), none where a path is None. ``quick``: one short
-    round of the real-master section."""
+    round of the real-master section. It closes on a verdict over every target it checked
+    (:func:`verdict`) and returns the exit status: 1 when a target is NOT met, unless
+    ``report_only``."""
     from .vllm_baseline import unavailable
 
     out(f"core: {'compiled' if _core.ACCELERATED else 'pure Python'}; stub store (client-side work only); "
@@ -285,19 +309,24 @@ def run_bench(repeat: int = 5, plot_path: Optional[str] = None, out=print, *, ma
     bar.close()
     out(sidebyside.format_table(rows))
     out("ratios: this implementation's time / the baseline's (below 1 is faster)")
+    checked = []
     for line in summarise(rows):
         out(line)
+        checked.append(line)
     out("cold ns per key by keys per lookup: " + "; ".join(
         f"{impl} " + ", ".join(f"{k}:{v:.0f}" for k, v in pts) for impl, pts in points.items() if pts))
     out("scaling (client side, stub store):")
     for line in scaling_lines(scale):
         out("  " + line)
+        checked.append(line)
     if plot_path:
         written = plot(points, plot_path)
         out(f"plot: {written}" if written else "plot: matplotlib is not installed (pip install matplotlib)")
     out(f"({time.perf_counter() - t0:.1f} s)")
     if master:
-        run_master_section(max(3, 3 * repeat), master_plot, quick, out)
+        checked += run_master_section(max(3, 3 * repeat), master_plot, quick, out)
         run_in_scheduler_section(max(5, 10 * repeat), out)
-        run_burst_section(out)
-    return 0
+        checked += run_burst_section(out)
+    line, status = verdict(checked, report_only)
+    out(line)
+    return status

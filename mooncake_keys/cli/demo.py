@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Tuple, Type
 
 HELP = ("a simulated serving workload: save, lookup, load (--vllm: vLLM's real engine on the CPU; --serve: two vllm "
         "serve instances on one store)")
@@ -37,8 +38,21 @@ def main(args: argparse.Namespace) -> int:
     from ..bench.demo import run_demo
     from ..store.memory import MemoryStore
 
-    summary = run_demo(args.requests or 300, args.seed or 0, store=MemoryStore() if args.memory else None)
+    try:
+        summary = run_demo(args.requests or 300, args.seed or 0, store=MemoryStore() if args.memory else None)
+    except _store_errors() as exc:  # a configured master that cannot be reached names its setting
+        from . import error
+
+        return error("demo", exc, 1)
     return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0
+
+
+def _store_errors() -> Tuple[Type[BaseException], ...]:
+    """The errors of a store that cannot be opened (each names what is wrong)."""
+    from ..store.local_master import LocalMasterError
+    from ..store.mooncake import MooncakeStoreError
+
+    return (MooncakeStoreError, LocalMasterError)
 
 
 def _engine(args: argparse.Namespace) -> int:

@@ -122,7 +122,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     sizes, tokens = whole_number(1, MAX_RANKS), whole_number(1, MAX_TOKENS)
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EPILOG
+    parser.epilog = EPILOG + ("\n" + parser.epilog if parser.epilog else "")
     dep = parser.add_argument_group("the deployment, as vLLM serves it")
     dep.add_argument("--model", required=True, metavar="NAME_OR_PATH",
                      help="vLLM's --model; the keys use its last path component")
@@ -162,7 +162,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the request's length (default: the token ids, or hashes x hash block size)")
     prompt.add_argument("--skip-tokens", type=whole_number(0, MAX_TOKENS), default=0, metavar="N",
                         help="tokens held locally: chunks below are not asked and count present (default 0)")
-    master = parser.add_argument_group("the master (default: the config in MOONCAKE_CONFIG_PATH)")
+    master = parser.add_argument_group("the master (default: MOONCAKE_KEYS_MASTER, else the config in MOONCAKE_CONFIG_PATH)")
     where = master.add_mutually_exclusive_group()
     where.add_argument("--master", type=_master, metavar="HOST:PORT|etcd://HOST:PORT[;...]",
                        help="the Mooncake master, or the etcd endpoints of an HA cluster")
@@ -310,29 +310,30 @@ def prompt_from(args: argparse.Namespace, hash_block_size: int) -> Tuple[List[by
     return hashes, args.num_tokens if args.num_tokens is not None else len(token_ids)
 
 
-def _config_from(args: argparse.Namespace) -> Optional[Any]:
-    """vLLM's Mooncake config to connect with (None: ``--master``)."""
-    if args.master is not None:
-        return None
-    from ..store.config import CONFIG_PATH_ENV, MooncakeStoreConfig
+def _master_from(args: argparse.Namespace) -> Any:
+    """The master to ask (a :class:`~mooncake_keys.store.default.ConfiguredMaster`): ``--master``,
+    ``--config``, else the environment's (``MOONCAKE_KEYS_MASTER``, ``MOONCAKE_CONFIG_PATH``)."""
+    from ..store.config import CONFIG_PATH_ENV
+    from ..store.default import MASTER_ENV, BadMasterSetting, ConfiguredMaster, configured_master
 
-    path = args.config or os.environ.get(CONFIG_PATH_ENV)
-    if not path:
-        raise BadArgument(f"no master: give --master or --config (or set {CONFIG_PATH_ENV})")
-    flag = "--config" if args.config else CONFIG_PATH_ENV
+    if args.master is not None:  # checked by its argument type
+        return ConfiguredMaster("--master", args.master)
     try:
-        config = MooncakeStoreConfig.from_file(path)
-    except (TypeError, ValueError) as exc:
-        raise BadArgument(f"argument {flag}: {exc}") from None
-    if not config.master_server_address:
-        raise BadArgument(f"argument {flag}: {path!r} names no master_server_address")
-    return config
+        named = configured_master(config_path=args.config)
+    except BadMasterSetting as exc:
+        raise BadArgument(str(exc).replace("config_path:", "argument --config:", 1)) from None
+    if named is None:
+        raise BadArgument(f"no master: give --master or --config (or set {MASTER_ENV} or {CONFIG_PATH_ENV})")
+    if named.setting == "config_path":
+        named = ConfiguredMaster("--config", named.address, named.config)
+    return named
 
 
 # ------------------------------------------------------------------------------- main
 def _error(message: str, status: int = 2) -> int:
-    print(f"mooncake_keys explain: error: {message}", file=sys.stderr)
-    return status
+    from . import error
+
+    return error("explain", message, status)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -348,7 +349,7 @@ def main(args: argparse.Namespace) -> int:
                 raise BadArgument(f"argument --plot: {missing}")
         dep = deployment_from(args)
         hashes, num_tokens = prompt_from(args, dep.hash_block_size)
-        config = _config_from(args)
+        master = _master_from(args)
         try:  # the lookup's own checks, against a store double: nothing is asked of the master yet
             LookupEngine.for_deployment(dep, store=RecordingStore()).explain(num_tokens, hashes,
                                                                              skip_tokens=args.skip_tokens)
@@ -359,14 +360,15 @@ def main(args: argparse.Namespace) -> int:
             raise BadArgument(f"the lookup (--num-tokens, --skip-tokens, the prompt): {exc}") from None
     except BadArgument as exc:
         return _error(str(exc))
-    from ..store.mooncake import MooncakeStore, MooncakeStoreError
+    from ..store.default import connect_configured
+    from ..store.mooncake import MooncakeStoreError
 
     try:
-        store = MooncakeStore.connect(args.master, lookup_only=True) if config is None \
-            else MooncakeStore.lookup_client(config)
-    except (ImportError, MooncakeStoreError) as exc:
-        print(f"mooncake_keys explain: cannot reach the master: {exc}", file=sys.stderr)
-        return 1
+        store = connect_configured(master, lookup_only=True)
+    except ImportError as exc:
+        return _error(f"{master.setting}: cannot reach the master: {exc}", 1)
+    except MooncakeStoreError as exc:  # it names the setting
+        return _error(exc, 1)
     with store:
         report = LookupEngine.for_deployment(dep, store=store).explain(num_tokens, hashes, skip_tokens=args.skip_tokens)
     print(text(report))

@@ -198,8 +198,13 @@ class ManagedProcess:
         self.proc: Optional["subprocess.Popen[bytes]"] = None
 
     def start(self, args: Sequence[str], env: Optional[dict] = None) -> None:
+        """Start the child in a session of its own: a Ctrl-C at the terminal (SIGINT to the
+        foreground process group) reaches us, not it, so we stop it after its clients have closed
+        (a master gone first makes every client log errors and retry for seconds while closing).
+        It still dies with us (see the module doc)."""
         with open(self.log_path, "ab") as log:
-            self.proc = spawn(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = spawn(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True)
 
     @property
     def pid(self) -> Optional[int]:
