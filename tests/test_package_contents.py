@@ -109,3 +109,17 @@ def test_the_vllm_package_imports_no_vllm_for_its_contracts():
             "print(sorted(mv.__all__) == sorted(set(dir(mv)) & set(mv.__all__)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == ["['mooncake_keys.vllm', 'mooncake_keys.vllm.contracts']", "True"]
+
+
+def test_the_commands_import_no_circle():
+    """cli/__init__.py imports each subcommand; a subcommand imports what the commands share from
+    cli/args.py, never the package that imports it (nor another subcommand)."""
+    cli = Path(mooncake_keys.__file__).parent / "cli"
+    subcommands = {"mooncake_keys.cli.bench", "mooncake_keys.cli.demo", "mooncake_keys.cli.explain"}
+    for name in ("bench", "demo", "explain", "args"):
+        named = _imports(cli / f"{name}.py", "mooncake_keys.cli")
+        ours = {m for m in named if m == "mooncake_keys.cli" or m.startswith("mooncake_keys.cli.")}
+        assert "mooncake_keys.cli" not in ours, name
+        assert not ours & subcommands, name
+        if name == "args":
+            assert not ours, ours

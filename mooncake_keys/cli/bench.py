@@ -27,7 +27,7 @@ PLOT_NAME, MASTER_PLOT_NAME = "ns_per_key.png", "master_hit_fraction.png"
 
 
 def _plot_dir(text: str) -> str:
-    from . import unwritable
+    from .args import unwritable
 
     why = unwritable(text, directory=True)
     if why:
@@ -36,7 +36,7 @@ def _plot_dir(text: str) -> str:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from . import png_path, positive_int
+    from .args import png_path, positive_int
 
     parser.add_argument("--repeat", type=positive_int,
                         help="timed repeats per case (default 5; the median is kept; the ns/key sweep keeps the "

@@ -14,7 +14,7 @@ HELP = ("a simulated serving workload: save, lookup, load (--vllm: vLLM's real e
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from . import positive_int
+    from .args import positive_int
 
     parser.add_argument("--requests", type=positive_int, help="number of prompts (default 300)")
     parser.add_argument("--seed", type=int, help="the workload's seed (default 0)")
@@ -41,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         summary = run_demo(args.requests or 300, args.seed or 0, store=MemoryStore() if args.memory else None)
     except _store_errors() as exc:  # a configured master that cannot be reached names its setting
-        from . import error
+        from .args import error
 
         return error("demo", exc, 1)
     return 1 if summary["blocks_wrong"] or summary["failed_loads"] else 0

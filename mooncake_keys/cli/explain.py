@@ -117,7 +117,7 @@ def _master(text: str) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from ..vllm.contracts import CONTRACTS, DEFAULT_VLLM_COMPAT
     from ..lookup.layout import MAX_RANKS
-    from . import png_path, whole_number
+    from .args import png_path, whole_number
 
     sizes, tokens = whole_number(1, MAX_RANKS), whole_number(1, MAX_TOKENS)
 
@@ -331,7 +331,7 @@ def _master_from(args: argparse.Namespace) -> Any:
 
 # ------------------------------------------------------------------------------- main
 def _error(message: str, status: int = 2) -> int:
-    from . import error
+    from .args import error
 
     return error("explain", message, status)
 
