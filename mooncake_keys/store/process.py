@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["ManagedProcess", "in_netns", "spawn", "spawn_guarded", "owns_listening_port", "listening_ports",
+__all__ = ["ManagedProcess", "file_tail", "in_netns", "spawn", "spawn_guarded", "owns_listening_port", "listening_ports",
            "listening_sockets"]
 
 _PR_SET_PDEATHSIG = 1
@@ -189,6 +189,16 @@ def _socket_inodes(pid: int) -> set:
     return out
 
 
+def file_tail(path: str, chars: int = 3000) -> str:
+    """The last ``chars`` characters of the file at ``path`` ('' when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 class ManagedProcess:
     """One child process started with :func:`spawn`, its log file, and how it is stopped."""
 
@@ -242,12 +252,7 @@ class ManagedProcess:
             self.proc.wait()
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
+        return file_tail(self.log_path, chars)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,12 @@ with the test process whatever ends it, optionally inside a network namespace.""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mooncake_keys.store.process import in_netns, spawn
+from mooncake_keys.store.process import file_tail, in_netns, spawn
 
 
 class DriverFailed(AssertionError):
@@ -75,12 +74,7 @@ class StreamedChild:
         self.proc.stdin.flush()
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
+        return file_tail(self.log_path, chars)
 
     def close(self, timeout: float = 10.0) -> None:
         """Close its stdin, wait up to ``timeout`` seconds for it to end, then SIGKILL it."""
