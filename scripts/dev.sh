@@ -417,10 +417,10 @@ nothing_left() {  # fails, and ends them, when processes this suite started are 
 # the first and the latest release get the most; MK_VLLM_CASES / MK_VLLM_DROPIN_CASES override.
 vllm_cases() {  # $1: a version, $2: "c" or "py"; prints "CASES DROPIN_CASES"
   case "$1:$2" in
-    0.33.0:c|0.25.1:c) echo "3000 1500" ;;
-    0.33.0:py|0.25.1:py) echo "1500 700" ;;
-    *:c) echo "1500 700" ;;
-    *) echo "700 300" ;;
+    0.33.0:c|0.25.1:c) echo "2000 1000" ;;
+    0.33.0:py|0.25.1:py) echo "1000 500" ;;
+    *:c) echo "800 400" ;;
+    *) echo "400 200" ;;
   esac
 }
 
