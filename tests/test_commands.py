@@ -92,6 +92,15 @@ def test_the_help_documents_the_exit_statuses():
 TEARDOWN_ERRORS = ("RPC call failed", "Failed to ping master", "Failed to unmount", "Client not available")
 
 
+def _sigint_as_a_terminal_job_has() -> None:
+    """SIGINT's default disposition, as a shell gives a job it starts in the foreground. Not
+    inherited: a suite started in the background (``nohup ... &``) ignores SIGINT, that survives
+    exec, and a Python started so never turns Ctrl-C into KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_demo_and_its_master_with_one_line_and_exit_130():
     """Ctrl-C as a terminal sends it: SIGINT to the demo's whole process group, once the demo is
     serving (its output says so). It exits 130 with one line, and its master is gone."""
@@ -108,7 +117,7 @@ def test_ctrl_c_stops_the_demo_and_its_master_with_one_line_and_exit_130():
         pytest.skip(str(exc))
     proc = subprocess.Popen([sys.executable, "-m", "mooncake_keys", "demo", "--requests", "100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_as_a_terminal_job_has)
     master_pid = None
     try:
         assert proc.stdout is not None
