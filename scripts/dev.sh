@@ -236,7 +236,11 @@ run_pytest() {  # $1: the python; the rest: pytest arguments
   # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
   local py=$1; shift
   local rc=0
-  "$py" -m pytest "$@" || rc=$?
+  # In the background, waited for: a signal to this script acts at once (bash runs a trap only
+  # between commands), and the EXIT trap's leftover check ends this pytest and what it started.
+  # SIGINT and SIGQUIT as a foreground command would have them (an async list ignores them).
+  ( trap - INT QUIT; exec "$py" -m pytest "$@" ) &
+  wait "$!" || rc=$?
   if [ "$rc" = 5 ]; then echo "error: pytest ran no test" >&2; return 1; fi
   return "$rc"
 }
@@ -363,25 +367,23 @@ SUITE_TAG_GIVEN=${MOONCAKE_KEYS_SUITE_TAG:-}
 export MOONCAKE_KEYS_SUITE_TAG=${MOONCAKE_KEYS_SUITE_TAG:-suite-$$-$RANDOM$RANDOM}
 
 leftovers() {  # $1: a tag ("" for any suite's). "PID NAME TAG" of each process carrying it, but
-  # dev.sh's own (this check's lineage, and what this dev.sh runs now: the check's own pipeline)
-  "$BASE_PY" - "$1" "$$" <<'EOF'
+  # this check's own lineage (dev.sh, the subshell that runs it). The checker runs untagged and
+  # its callers read its output with no pipeline, so no process of the check itself is counted.
+  MOONCAKE_KEYS_SUITE_TAG= "$BASE_PY" - "$1" <<'EOF'
 import os, sys
-want, top, key = sys.argv[1], int(sys.argv[2]), b"MOONCAKE_KEYS_SUITE_TAG="
+want, key = sys.argv[1], b"MOONCAKE_KEYS_SUITE_TAG="
 def stat(pid):
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rpartition(b")")[2].split()
-def lineage(pid):
-    out = set()
-    while pid > 1 and pid not in out:
-        out.add(pid)
-        pid = int(stat(pid)[1])
-    return out
-mine = lineage(os.getpid())
+mine, pid = set(), os.getpid()
+while pid > 1 and pid not in mine:
+    mine.add(pid)
+    pid = int(stat(pid)[1])
 for name in os.listdir("/proc"):
     if not name.isdigit() or int(name) in mine:
         continue
     try:
-        if stat(name)[0] in (b"Z", b"X") or top in lineage(int(name)):
+        if stat(name)[0] in (b"Z", b"X"):
             continue
         with open(f"/proc/{name}/environ", "rb") as f:
             tags = [v[len(key):].decode() for v in f.read().split(b"\0") if v.startswith(key)]
@@ -395,15 +397,20 @@ EOF
 }
 
 cmd_leftovers() {  # what the check sees: "PID NAME" of each process a suite started still running
+  local out pid name _
   if [ -n "$SUITE_TAG_GIVEN" ]; then
-    leftovers "$SUITE_TAG_GIVEN" | while read -r pid name _; do echo "$pid $name"; done
+    out=$(leftovers "$SUITE_TAG_GIVEN")
+    while read -r pid name _; do [ -n "$pid" ] && echo "$pid $name"; done <<<"$out"
   else  # any suite's: "PID NAME TAG" (the test command prints its own tag when it starts)
     leftovers ""
   fi
+  return 0
 }
 
 nothing_left() {  # fails, and ends them, when processes this suite started are still running
-  local left; left=$(leftovers "$MOONCAKE_KEYS_SUITE_TAG" | cut -d' ' -f1)
+  local out left="" pid _
+  out=$(leftovers "$MOONCAKE_KEYS_SUITE_TAG")
+  while read -r pid _; do [ -n "$pid" ] && left="$left $pid"; done <<<"$out"
   [ -z "$left" ] && return 0
   echo "error: the suite left processes running (ended now):" >&2
   ps -o pid,etime,cmd -p $left >&2 || true
@@ -452,7 +459,7 @@ test_finished() {  # the EXIT trap of the test command: runs whatever ended it
   local rc=$?
   trap - EXIT
   phase ""
-  nothing_left || rc=1  # a failed phase too: what it left running is ended, and is a failure
+  nothing_left || { [ "$rc" = 0 ] && rc=1; }  # a failed phase too: what it left is ended, and fails
   [ -n "${TEST_TMP:-}" ] && rm -rf "$TEST_TMP"
   if [ ${#PHASE_TIMES[@]} -gt 0 ]; then
     echo "== phase times ($((SECONDS / 60)) min in all):"; printf '%s\n' "${PHASE_TIMES[@]}"
@@ -463,6 +470,9 @@ test_finished() {  # the EXIT trap of the test command: runs whatever ended it
 
 cmd_test() {
   trap test_finished EXIT
+  # A signal ends the command with its status (128 + its number), and the EXIT trap sees it:
+  # what the phase under way started is ended by the leftover check.
+  trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 143' TERM
   echo "== the suite's tag: $MOONCAKE_KEYS_SUITE_TAG (MOONCAKE_KEYS_SUITE_TAG=$MOONCAKE_KEYS_SUITE_TAG bash scripts/dev.sh leftovers)"
   phase "set-up: system packages, the project venv, Mooncake 0.3.14"
   install_system
