@@ -534,7 +534,7 @@ cmd_demo() {
   DEMO_STEP="installing"
   trap 'demo_verdict $?' EXIT
   install_system
-  install_python mooncake
+  install_python mooncake,torch
   if given --vllm "$@" || given --serve "$@"; then  # vLLM's real engine: in the engine venv
     local engine
     DEMO_STEP="installing vLLM's CPU engine"
