@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import Callable, Optional, Sequence
 
 HELP = "the standard scenarios, side by side with vLLM's approaches"
 #: The plots' file names in --plot-dir.
@@ -125,25 +126,37 @@ def main(args: argparse.Namespace) -> int:
                      master_plot=master_plot, quick=args.quick, report_only=args.report_only)
 
 
-def _engine(args: argparse.Namespace) -> int:
-    from ..bench import engine_bench
-
-    given = [name for name in NOT_WITH_ENGINE if getattr(args, name)]
+def _refused_in_engine_venv(args: argparse.Namespace, mode: str, what: str, not_with: Sequence[str],
+                            unavailable: Callable[[], Optional[str]], plot: Optional[str]) -> Optional[int]:
+    """The checks of a benchmark run in vLLM's engine venv (``--engine``, ``--serve``), before any
+    work: no option of another mode, vLLM's engine importable, matplotlib for its plot. The exit
+    status (2, with one line on stderr) when one fails, else None."""
+    given = [name for name in not_with if getattr(args, name)]
     if given:
-        print(f"error: --engine takes --quick and --engine-plot only, not --{given[0].replace('_', '-')}",
+        print(f"error: --{mode} takes --quick and --{mode}-plot only, not --{given[0].replace('_', '-')}",
               file=sys.stderr)
         return 2
-    missing = engine_bench.unavailable()
+    missing = unavailable()
     if missing:
-        print(f"error: the engine benchmark cannot run here: {missing}; `bash scripts/dev.sh bench --engine` "
+        print(f"error: {what} cannot run here: {missing}; `bash scripts/dev.sh bench --{mode}` "
               "installs the engine and runs it in its venv", file=sys.stderr)
         return 2
-    if args.engine_plot:
+    if plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --engine-plot needs matplotlib (pip install 'mooncake-keys[bench]')", file=sys.stderr)
+            print(f"error: --{mode}-plot needs matplotlib (pip install 'mooncake-keys[bench]')", file=sys.stderr)
             return 2
+    return None
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from ..bench import engine_bench
+
+    refused = _refused_in_engine_venv(args, "engine", "the engine benchmark", NOT_WITH_ENGINE, engine_bench.unavailable,
+                                      args.engine_plot)
+    if refused is not None:
+        return refused
     runs = 1 + len(engine_bench.QUICK if args.quick else engine_bench.RUNS)
     print(f"vLLM's engine on the CPU: {runs} engines, one after another, each a new process on one real master "
           f"(a cold one saves, then warm ones); about {runs * 30 // 60 + 1} minutes", flush=True)
@@ -202,22 +215,10 @@ def _soak(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ..bench import serve_bench
 
-    given = [name for name in NOT_WITH_ENGINE + ("engine_plot",) if getattr(args, name)]
-    if given:
-        print(f"error: --serve takes --quick and --serve-plot only, not --{given[0].replace('_', '-')}",
-              file=sys.stderr)
-        return 2
-    missing = serve_bench.unavailable()
-    if missing:
-        print(f"error: the serving benchmark cannot run here: {missing}; `bash scripts/dev.sh bench --serve` "
-              "installs the engine and runs it in its venv", file=sys.stderr)
-        return 2
-    if args.serve_plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("error: --serve-plot needs matplotlib (pip install 'mooncake-keys[bench]')", file=sys.stderr)
-            return 2
+    refused = _refused_in_engine_venv(args, "serve", "the serving benchmark", NOT_WITH_ENGINE + ("engine_plot",),
+                                      serve_bench.unavailable, args.serve_plot)
+    if refused is not None:
+        return refused
     runs, served = len(serve_bench.RUNS), len(serve_bench.workloads(args.quick))
     print(f"vllm serve on the CPU: {runs} connectors, two instances each on a real master of its own, driven by "
           f"vLLM's own vllm bench serve ({served} workloads each); about {4 + served * runs * 2 * 25 // 60} minutes",
