@@ -28,11 +28,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from ..store.process import spawn_guarded
 
-__all__ = ["tiny_model", "save_tokenizer", "EngineStore", "EngineRun", "run_engine", "prompts", "metric_total",
+__all__ = ["tiny_model", "save_model_once", "save_tokenizer", "EngineStore", "EngineRun", "run_engine", "prompts", "metric_total",
            "MatchedCall", "matched_calls", "engine_missing"]
 
 #: The tiny model's vocabulary: prompt token ids are drawn below it.
@@ -41,19 +41,31 @@ VOCAB = 2048
 
 def tiny_model(folder: str, max_positions: int = 16384, seed: int = 0) -> str:
     """A random Llama and its tokenizer in ``folder`` (built once; later calls reuse it)."""
+
+    def build() -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                             max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+        return LlamaForCausalLM(config)
+
+    return save_model_once(folder, max_positions, seed, build)
+
+
+def save_model_once(folder: str, max_positions: int, seed: int, build: Callable[[], Any]) -> str:
+    """``folder``, holding the random model ``build()`` makes (torch seeded with ``seed`` first)
+    and the tiny models' tokenizer (prompts up to ``max_positions`` tokens); built once: a marker
+    written last says the folder is complete, and later calls return at once."""
     done = os.path.join(folder, ".mooncake_keys-model")
     if os.path.exists(done):
         return folder
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_positions,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         torch_dtype="float32")
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    build().save_pretrained(folder, safe_serialization=True)
     save_tokenizer(folder, max_positions)
     open(done, "w").close()
     return folder

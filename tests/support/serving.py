@@ -5,12 +5,11 @@ together, and one workload served and read back from the server's own ``/metrics
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Sequence
 
-from mooncake_keys.bench.engine import VOCAB, save_tokenizer
+from mooncake_keys.bench.engine import VOCAB, save_model_once
 from mooncake_keys.bench.serve import Server, Workload, bench_serve, metric_sum
 
 __all__ = ["tiny_gemma3", "running", "Served", "serve", "serve_together", "DROP_IN_SERIES"]
@@ -27,24 +26,19 @@ def tiny_gemma3(folder: str, max_positions: int = 8192, sliding_window: int = 12
     ``sliding_window`` tokens, the second full attention; hidden 256, 4 heads, 2 KV heads,
     head_dim 64; untied embeddings: tied ones make this random model repeat one token) and the
     word-level tokenizer, in ``folder`` (built once)."""
-    done = os.path.join(folder, ".mooncake_keys-model")
-    if os.path.exists(done):
-        return folder
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    os.makedirs(folder, exist_ok=True)
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
-                              sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
-                              max_position_embeddings=max_positions, rms_norm_eps=1e-6, bos_token_id=1,
-                              eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, torch_dtype="float32")
-    config.architectures = ["Gemma3ForCausalLM"]
-    Gemma3ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    save_tokenizer(folder, max_positions)
-    open(done, "w").close()
-    return folder
+    def build():
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                                  sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
+                                  max_position_embeddings=max_positions, rms_norm_eps=1e-6, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, torch_dtype="float32")
+        config.architectures = ["Gemma3ForCausalLM"]
+        return Gemma3ForCausalLM(config)
+
+    return save_model_once(folder, max_positions, seed, build)
 
 
 @contextlib.contextmanager
