@@ -52,6 +52,16 @@ def burst(batcher, requests, tokens=None, seconds=20.0):
     return out
 
 
+def burst_on(e, requests, tokens=None):
+    """:func:`burst` on a new batcher over engine ``e``, closed after: (the answers, the batcher,
+    for its stats)."""
+    batcher = LookupBatcher(e)
+    try:
+        return burst(batcher, requests, tokens), batcher
+    finally:
+        batcher.close()
+
+
 def lease_calls(store):
     """``(keys, leased)`` of each LastHitOnly call, in order."""
     return [(keys, leased) for keys, policy, leased in zip(store.calls, store.probe_calls, store.leased)
@@ -94,11 +104,7 @@ def test_a_burst_of_hits_is_leased_by_one_call_and_each_answer_is_its_own(impl, 
     present = set(engine(mk.RecordingStore(), groups).candidate_keys(SYSTEM * 16, system))
     store = mk.RecordingStore(present=present, leases=True)
     e = engine(store, groups)
-    batcher = LookupBatcher(e)
-    try:
-        answers = burst(batcher, requests)
-    finally:
-        batcher.close()
+    answers, batcher = burst_on(e, requests)
     for name, hashes in requests.items():
         tokens = len(hashes) * 16 + 1
         alone = engine(mk.RecordingStore(present=present, leases=True), groups).lookup_result(tokens, hashes)
@@ -129,11 +135,7 @@ def test_a_key_gone_at_the_lease_call_makes_only_its_lookup_look_again(impl):
     gone = builder.candidate_keys(len(requests[3]) * 16, requests[3])[(SYSTEM + 10) * 2 + 1]  # r3's chunk 106
     store = GoneAtTheLeaseCall(present, [{gone}])
     e = engine(store)
-    batcher = LookupBatcher(e)
-    try:
-        answers = burst(batcher, requests)
-    finally:
-        batcher.close()
+    answers, batcher = burst_on(e, requests)
     after = present - {gone}
     for name, hashes in requests.items():  # each as alone on the store as it is after the removal
         assert answers[name] == engine(mk.RecordingStore(present=after), strategy="oneshot").lookup_result(
@@ -158,11 +160,7 @@ def test_a_shared_key_gone_makes_every_lookup_look_again_and_one_call_lease_them
     gone = builder.candidate_keys(SYSTEM * 16, system)[50 * 2]  # the shared prompt's chunk 50
     store = GoneAtTheLeaseCall(present, [{gone}])
     e = engine(store)
-    batcher = LookupBatcher(e)
-    try:
-        answers = burst(batcher, requests)
-    finally:
-        batcher.close()
+    answers, _ = burst_on(e, requests)
     assert {a.hit_length for a in answers.values()} == {50 * 16}  # each recomputed, as alone after it
     (first, none), (second, leased) = lease_calls(store)
     assert none == [] and leased == second and set(second) == loaded_keys(e, system, 50 * 16, 0)
@@ -179,11 +177,7 @@ def test_keys_gone_again_at_the_second_union_leave_each_lookup_its_own_call(impl
     present = set().union(*map(set, keys.values()))
     store = GoneAtTheLeaseCall(present, [{keys[3][(SYSTEM + 10) * 2]}, {keys[5][(SYSTEM + 20) * 2]}])
     e = engine(store)
-    batcher = LookupBatcher(e)
-    try:
-        answers = burst(batcher, requests)
-    finally:
-        batcher.close()
+    answers, _ = burst_on(e, requests)
     assert LEASE_UNIONS == 2
     assert answers[3].hit_length == (SYSTEM + 10) * 16 and answers[5].hit_length == (SYSTEM + 20) * 16
     assert all(answers[r].hit_length == (SYSTEM + OWN) * 16 for r in requests if r not in (3, 5))
@@ -211,12 +205,8 @@ def test_a_failed_lease_call_answers_zero_for_each_lookup_in_it_with_one_line(im
     system = hashes_of("system", SYSTEM)
     requests = {r: system + hashes_of(f"own{r}", OWN) for r in range(8)}
     store = Failing(present=set(engine(mk.RecordingStore()).candidate_keys(SYSTEM * 16, system)), leases=True)
-    batcher = LookupBatcher(engine(store))
-    try:
-        with caplog.at_level(logging.WARNING, "mooncake_keys.lookup"):
-            answers = burst(batcher, requests)
-    finally:
-        batcher.close()
+    with caplog.at_level(logging.WARNING, "mooncake_keys.lookup"):
+        answers, _ = burst_on(engine(store), requests)
     assert all(a == mk.LookupResult(0, ()) for a in answers.values())
     assert [r.getMessage() for r in caplog.records if "master gone" in r.getMessage()] == [
         f"lookup answered 0: batch_probe_key of {SYSTEM * 2} keys raised ConnectionError: master gone"]
@@ -227,11 +217,7 @@ def test_a_store_without_probes_asks_as_before(impl):
     system = hashes_of("system", SYSTEM)
     requests = {r: system + hashes_of(f"own{r}", OWN) for r in range(8)}
     store = mk.RecordingStore(present=set(engine(mk.RecordingStore()).candidate_keys(SYSTEM * 16, system)))
-    batcher = LookupBatcher(engine(store))
-    try:
-        answers = burst(batcher, requests)
-    finally:
-        batcher.close()
+    answers, batcher = burst_on(engine(store), requests)
     assert {a.hit_length for a in answers.values()} == {SYSTEM * 16}
     assert store.probe_calls == [] and batcher.stats.lease_calls == 0 and store.num_calls == batcher.stats.calls
 
@@ -251,11 +237,7 @@ def test_random_bursts_answer_each_lookup_as_alone_and_lease_every_hit(impl, cas
     present = store_for(mk.LookupEngine("m", store=mk.RecordingStore(), **dep), shared, kind, seed)
     store = mk.RecordingStore(present=present, leases=True)
     e = mk.LookupEngine("m", store=store, **dep)
-    batcher = LookupBatcher(e)
-    try:
-        answers = burst(batcher, requests, tokens)
-    finally:
-        batcher.close()
+    answers, _ = burst_on(e, requests, tokens)
     oneshot = mk.LookupEngine("m", store=mk.RecordingStore(present=present), strategy="oneshot", **dep)
     for name, hashes in requests.items():
         assert answers[name] == oneshot.lookup_result(tokens, hashes), name
