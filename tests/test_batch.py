@@ -12,20 +12,9 @@ import pytest
 
 import mooncake_keys as mk
 from mooncake_keys.lookup.batch import LookupBatcher
+from support.batching import answers_of
 
 F, S, M = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.MambaSpec
-
-
-def answers_of(batcher, names, seconds=20.0):
-    out, deadline = {}, time.monotonic() + seconds
-    while len(out) < len(names) and time.monotonic() < deadline:
-        for n in names:
-            if n not in out:
-                r = batcher.poll(n)
-                if r is not None:
-                    out[n] = r
-        time.sleep(0.001)
-    return out
 
 
 class SlowStore(mk.RecordingStore):

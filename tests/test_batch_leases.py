@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 
 import pytest
 from hypothesis import given
@@ -20,6 +19,7 @@ from test_rounds import SETTINGS, cases, store_for
 
 import mooncake_keys as mk
 from mooncake_keys.lookup.batch import LEASE_UNIONS, LookupBatcher
+from support.batching import burst
 
 F, S, M = mk.FullAttentionSpec, mk.SlidingWindowSpec, mk.MambaSpec
 LAYOUT = mk.ParallelLayout(tp_size=2, num_kv_heads=2)
@@ -32,24 +32,6 @@ def hashes_of(tag, n):
 
 def engine(store, groups=(F(16),), **kw):
     return mk.LookupEngine("m", list(groups), LAYOUT, hash_block_size=16, store=store, key_cache_bytes=0, **kw)
-
-
-def burst(batcher, requests, tokens=None, seconds=20.0):
-    """Submit every request at once (the batcher's thread takes them in one batch: it waits on
-    the lock held here) and wait for every answer."""
-    with batcher._cond:  # a Condition's lock is reentrant: submit takes it again
-        for name, hashes in requests.items():
-            batcher.submit(name, len(hashes) * 16 + 1 if tokens is None else tokens, hashes)
-    out, deadline = {}, time.monotonic() + seconds
-    while len(out) < len(requests) and time.monotonic() < deadline:
-        for name in requests:
-            if name not in out:
-                got = batcher.poll(name)
-                if got is not None:
-                    out[name] = got
-        time.sleep(0.001)
-    assert len(out) == len(requests), f"answered {sorted(out)} of {sorted(requests)}"
-    return out
 
 
 def burst_on(e, requests, tokens=None):

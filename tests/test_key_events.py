@@ -25,6 +25,7 @@ from mooncake_keys.events.mirror import sources_of  # noqa: E402
 from mooncake_keys.events.wire import REMOVED, STORED, WireError, decode  # noqa: E402
 from mooncake_keys.store.local_master import LocalMaster, http_json  # noqa: E402
 from mooncake_keys.store.mooncake import MooncakeStore, MooncakeStoreUnavailable  # noqa: E402
+from support.batching import burst  # noqa: E402
 from support.mooncake_fixtures import INSTALLED, NEWEST, master_executable  # noqa: E402
 
 F = mk.FullAttentionSpec
@@ -161,17 +162,8 @@ def digests(tag: str, n: int) -> list:
 
 
 def burst_of(batcher, requests, seconds=20.0):
-    with batcher._cond:  # one batch: the thread takes them all at once (the lock is reentrant)
-        for name, hashes in requests.items():
-            batcher.submit(name, len(hashes) * 16 + 1, hashes)
-    out, deadline = {}, time.monotonic() + seconds
-    while len(out) < len(requests) and time.monotonic() < deadline:
-        for name in requests:
-            if name not in out and (got := batcher.poll(name)) is not None:
-                out[name] = got.hit_length
-        time.sleep(0.001)
-    assert len(out) == len(requests), out
-    return out
+    """Every request submitted in one batch, each answered: its hit length (tokens)."""
+    return {name: got.hit_length for name, got in burst(batcher, requests, seconds=seconds).items()}
 
 
 def test_a_bursts_hits_are_verified_and_leased_by_one_call_with_lease_free_probes(impl, newest_master,
