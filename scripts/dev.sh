@@ -75,8 +75,9 @@ torch_installed() {  # true when the venv holds the torch version $TORCH pins
     "${TORCH#*==}" 2>/dev/null
 }
 
-package_up_to_date() {  # $1: the extras, $2: 1 when the compiled core must be built; true when pip can be skipped
-  [ "$(stamp_field sources)" = "$(install_sources_hash)" ] || return 1
+package_up_to_date() {  # $1: the extras, $2: 1 when the compiled core must be built, $3: install_sources_hash;
+  # true when pip can be skipped
+  [ "$(stamp_field sources)" = "$3" ] || return 1
   extras_cover "$(stamp_field extras)" "$1" || return 1
   # the install is still there (and, when it was built, its compiled core still loads)
   if [ "$(stamp_field compiled)" = 1 ]; then
@@ -96,7 +97,7 @@ install_python() {  # $1: the extras; $2 (optional): 1 to make a failed compile 
   fi
   local extras=$1 had sources
   sources=$(install_sources_hash)
-  if package_up_to_date "$1" "${2:-}"; then
+  if package_up_to_date "$1" "${2:-}" "$sources"; then
     echo "== mooncake_keys[$(stamp_field extras)] and its compiled core: up to date (the build's sources unchanged; $INSTALL_STAMP)" >&2
     return 0
   fi
