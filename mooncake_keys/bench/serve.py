@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..store.local_master import HOST, free_port
-from ..store.process import owns_listening_port, spawn, spawn_guarded
+from ..store.process import file_tail, owns_listening_port, spawn, spawn_guarded
 from ..store.workdir import WorkDir
 from .engine import ENGINE_ENV, EngineStore, MatchedCall, matched_calls
 
@@ -296,10 +296,7 @@ class Server:
             return f.read()
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log()[-chars:]
-        except OSError:
-            return ""
+        return file_tail(self.log_path, chars)
 
 
 def scrape(text: str) -> Dict[str, List[Tuple[Dict[str, str], float]]]:
